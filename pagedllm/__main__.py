@@ -1,0 +1,3 @@
+from pagedllm.entrypoints.cli import main
+
+main()

@@ -1,0 +1,44 @@
+"""Incremental detokenization and stop-string matching for one sample.
+
+Decoding only a short window of ids per step keeps the cost per token constant. Text that ends in an
+incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
+"""
+from __future__ import annotations
+
+# Prompt tokens kept as left context: tokenizers such as SentencePiece decode a word differently at the
+# start of a string than after other text.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 stop: list[str], include_stop_str_in_output: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, token_id: int) -> str | None:
+        """Adds a token; returns the stop string if the text now contains one (text is cut there)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += delta
+        hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, start)) != -1]
+        if not hits:
+            return None
+        idx, s = min(hits)
+        self.text = self.text[:idx + len(s)] if self.include_stop else self.text[:idx]
+        return s

@@ -1,0 +1,218 @@
+"""LLMEngine: the engine's state in one place. Requests in, one scheduled step at a time, outputs out."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm import ops
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.models.loader import load_model, resolve_model
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
+
+
+@dataclass
+class _Parent:
+    """A user request: its samples (one Request each) and what the user sees of them."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        ops.set_backend(config.attention_backend)
+        torch.manual_seed(config.seed)
+        self.dtype = config.torch_dtype(_checkpoint_dtype(resolve_model(config.model)))
+        self.model, self.hf_config, model_dir = load_model(config.model, self.dtype, config.device,
+                                                           config.load_format, config.seed)
+        self.model_dir = str(model_dir)
+        config.resolve_lengths(self.hf_config.max_position_embeddings)
+        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_dir)
+        self.eos_token_ids = _eos_token_ids(self.model_dir, self.hf_config, self.tokenizer)
+        self.runner = ModelRunner(config, self.model, self.hf_config, self.dtype)
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, config.block_size, self.runner.num_blocks)
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, _Parent] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+        return self.tokenizer(prompt).input_ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    prompt_text: str | None = None) -> None:
+        """prompt is text to tokenize or token ids; prompt_text is the text reported back for token ids."""
+        params = params or SamplingParams()
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else prompt_text
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        max_tokens = self.config.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        children = [
+            Request(request_id if params.n == 1 else f"{request_id}-{i}", token_ids, params, max_tokens,
+                    prompt=text, parent_id=request_id, index=i, eos_token_ids=self.eos_token_ids)
+            for i in range(params.n)
+        ]
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        detoks = [self._detokenizer(token_ids, params) for _ in children]
+        self.num_prompt_tokens += len(token_ids)
+        parent = _Parent(request_id, text, token_ids, children, detoks)
+        self.parents[request_id] = parent
+        for child in children:
+            self.child_to_parent[child.request_id] = parent
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                             f"max_model_len={self.config.max_model_len}")
+
+    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
+                                      params.include_stop_str_in_output)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Aborts user requests (all their samples) and frees their blocks at once."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            self.scheduler.finish_requests([c.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
+            for c in parent.children:
+                del self.child_to_parent[c.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    # ---- stepping -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the current output of every user request that advanced in it."""
+        sched = self.scheduler.schedule()
+        sampling, out = self.runner.execute(sched, self.kv_cache_manager.get_block_ids)
+        sampled = {}
+        if out is not None:
+            for req, tok, lp in zip(sampling, out.token_ids, out.logprobs):
+                sampled[req.request_id] = tok
+                if req.logprobs is not None:
+                    req.logprobs.append(lp)
+        self.num_generation_tokens += len(sampled)
+        self.scheduler.update_from_output(sched, sampled)
+        touched: dict[str, _Parent] = {}
+        for req in sampling:
+            parent = self.child_to_parent[req.request_id]
+            touched[parent.request_id] = parent
+            detok = parent.detokenizers[req.index]
+            if detok is not None:
+                stop = detok.update(req.output_token_ids[-1])
+                if stop is not None and not req.is_finished:
+                    req.stop_reason = stop
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        outputs = [self._output(p) for p in touched.values()]
+        for p in touched.values():
+            if p.finished:
+                del self.parents[p.request_id]
+                for c in p.children:
+                    del self.child_to_parent[c.request_id]
+        return outputs
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for req, detok in zip(parent.children, parent.detokenizers):
+            logprobs = req.logprobs
+            cumulative = None
+            if logprobs is not None:
+                cumulative = sum(lp[t] for lp, t in zip(logprobs, req.output_token_ids))
+            completions.append(CompletionOutput(
+                index=req.index, text=detok.text if detok else "", token_ids=list(req.output_token_ids),
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                logprobs=logprobs, cumulative_logprob=cumulative))
+        first = parent.children[0]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
+                             finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0))
+
+    # ---- stats ----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        kv = self.kv_cache_manager
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage_perc": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+        }
+
+
+def _checkpoint_dtype(model_dir) -> torch.dtype | None:
+    from transformers import AutoConfig
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _load_tokenizer(path: str):
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            add(json.load(f).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,121 @@
+"""A request's state as the scheduler, the KV cache manager and the engine see it."""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+_arrival_counter = itertools.count()
+
+
+class Request:
+    """One sequence to generate. A user request with n > 1 becomes n of these (one per sample)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        prompt: str | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # already capped by max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.arrival = next(_arrival_counter)
+
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first scheduling (-1: not yet scheduled).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Hashes of the full blocks of all_token_ids, maintained by the KV cache manager.
+        self.block_hashes: list[Any] = []
+        self.stop_reason: int | str | None = None
+        # Per-token logprobs: list of {token_id: logprob} (only when sampling_params.logprobs is set).
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # Sampling state owned by the sampler (seeded generator, output counts for penalties).
+        self.sampler_state: Any = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Token-level stop checks after a token was appended; sets status and returns True if finished.
+
+        Stop strings need the detokenized text and are checked by the engine.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

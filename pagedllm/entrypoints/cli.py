@@ -1,0 +1,87 @@
+"""Command line: `pagedllm generate ...` (also `python -m pagedllm`)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from pagedllm.config import EngineConfig
+
+# Flags whose type cannot be read off the dataclass default (None or a union).
+_FLAG_TYPES = {"tokenizer": str, "device": str, "dtype": str, "max_model_len": int, "num_kv_blocks": int,
+               "max_num_batched_tokens": int, "attention_backend": str}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, named like vLLM's (--max-model-len, --no-enable-prefix-caching, ...)."""
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            group.add_argument(flag, type=_FLAG_TYPES.get(f.name, type(f.default)), default=f.default)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop or None)
+    prompts = args.prompt or ["Hello!"]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        print(f"### {prompt}")
+        for c in out.outputs:
+            print(c.text.strip() if args.chat else c.text)
+        print()
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.openai.server import run_server
+
+    run_server(args, engine_kwargs(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("--model", default="smollm2-135m-instruct",
+                     help="HF directory, .gguf file, or the alias smollm2-135m-instruct")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    from pagedllm.entrypoints.openai.server import add_serve_args
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

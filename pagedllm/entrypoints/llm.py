@@ -1,0 +1,99 @@
+"""The offline API: LLM.generate and LLM.chat, shaped like vLLM's."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """`LLM(model, **engine_options)`: engine options are named like vLLM's (see EngineConfig)."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        return self._run([_prompt_input(p) for p in prompts], params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {'role', 'content'} messages) or a list of conversations."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt)
+                   for conv in conversations]
+        # The template already holds any BOS token, so the text is not tokenized with special tokens again.
+        token_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        return self.generate([{"prompt": p, "prompt_token_ids": t} for p, t in zip(prompts, token_ids)],
+                             sampling_params, use_tqdm)
+
+    def _run(self, inputs: list[tuple[str | None, str | list[int]]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for (text, prompt), p in zip(inputs, params):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, p, prompt_text=text)
+                ids.append(rid)
+        except ValueError:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _prompt_input(prompt: Prompt) -> tuple[str | None, str | list[int]]:
+    """(text shown in the output, what the engine tokenizes or takes as ids)."""
+    if isinstance(prompt, str):
+        return prompt, prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], prompt["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")

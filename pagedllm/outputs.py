@@ -1,0 +1,31 @@
+"""Output shapes vLLM users know: RequestOutput holding one CompletionOutput per sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the sample (None for EOS or length).
+    stop_reason: int | str | None = None
+    # Per generated token: {token_id: logprob} for the sampled token and the top-k ones.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    # Prompt tokens served from the prefix cache (first sample).
+    num_cached_tokens: int = 0

@@ -1,0 +1,177 @@
+"""End-to-end engine behaviour on the real SmolLM2-135M-Instruct model (CPU, float32)."""
+import pytest
+import torch
+
+from conftest import MODEL, long_text, smollm2_gguf_path
+from pagedllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def chat_ids(tokenizer, content):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    tok = llm.get_tokenizer()
+    raw = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           long_text(3600)]
+    ids = [tok(p).input_ids for p in raw]
+    ids += [chat_ids(tok, c) for c in ("What is 2+2?", "Name three colors.", "Write a haiku about autumn.",
+                                       "Summarize this code:\n" + long_text(3000))]
+    assert any(len(p) > 900 for p in ids) and any(len(p) < 20 for p in ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(prompts):
+    from transformers import AutoModelForCausalLM
+    path = smollm2_gguf_path()
+    import os
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 torch_dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                 eos_token_id=2, pad_token_id=2)
+            outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_matches_transformers_batched_and_one_at_a_time(llm, prompts, hf_greedy):
+    batched = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    single = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    for ours, theirs in zip(batched, hf_greedy):
+        # HF keeps the EOS token in its output; so do we.
+        assert ours == theirs
+    assert single == batched
+
+
+def test_prefix_caching_does_not_change_outputs_and_hits(prompts):
+    shared = prompts[3][:600]
+    workload = [shared + tail for tail in ([11, 12, 13], [21, 22], [31], [41, 42, 43, 44])]
+    cached = LLM(MODEL, dtype="float32", enable_prefix_caching=True)
+    plain = LLM(MODEL, dtype="float32", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    first = token_ids(cached.generate(workload, params, use_tqdm=False))
+    before = cached.engine.stats()
+    second = token_ids(cached.generate(workload, params, use_tqdm=False))
+    after = cached.engine.stats()
+    expected = token_ids(plain.generate(workload, params, use_tqdm=False))
+    assert first == second == expected
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits >= 0.9 * len(shared) * len(workload)
+    assert plain.engine.stats()["prefix_cache_hits"] == 0
+    assert cached.engine.stats()["kv_cache_usage_perc"] == 0.0
+
+
+def test_preemption_does_not_change_outputs(prompts):
+    workload = [p[:80] for p in prompts[:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    big = LLM(MODEL, dtype="float32")
+    tiny = LLM(MODEL, dtype="float32", num_kv_blocks=24, block_size=16)
+    expected = token_ids(big.generate(workload, params, use_tqdm=False))
+    got = token_ids(tiny.generate(workload, params, use_tqdm=False))
+    assert tiny.engine.stats()["num_preemptions"] > 0
+    assert got == expected
+    assert tiny.engine.kv_cache_manager.num_free_blocks == 24
+
+
+def test_tiny_token_budget_forces_chunked_prefill(llm, prompts):
+    chunked = LLM(MODEL, dtype="float32", max_num_batched_tokens=32)
+    workload = [prompts[0], prompts[3][:300], prompts[4]]
+    assert token_ids(chunked.generate(workload, GREEDY, use_tqdm=False)) == \
+        token_ids(llm.generate(workload, GREEDY, use_tqdm=False))
+
+
+def test_bad_requests_are_rejected_and_engine_keeps_serving(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1] * (llm.engine.config.max_model_len + 5)], use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10**9]], use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM(MODEL, no_such_option=1)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.stats()["kv_cache_usage_perc"] == 0.0
+
+
+def test_request_larger_than_the_pool_is_rejected():
+    small = LLM(MODEL, dtype="float32", num_kv_blocks=4, block_size=16)
+    with pytest.raises(ValueError):
+        small.generate(["Hello " * 10], SamplingParams(max_tokens=200), use_tqdm=False)
+    out = small.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_sampling_options_end_to_end(llm):
+    p = "Tell me a story about a dragon."
+    a = llm.generate([p], SamplingParams(temperature=0.8, seed=42, max_tokens=12), use_tqdm=False)
+    b = llm.generate([p, "Other prompt", "More"], SamplingParams(temperature=0.8, seed=42, max_tokens=12),
+                     use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+    n2 = llm.generate([p], SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=10), use_tqdm=False)[0]
+    assert [c.index for c in n2.outputs] == [0, 1]
+    assert n2.outputs[0].token_ids != n2.outputs[1].token_ids
+
+    fixed = llm.generate([p], SamplingParams(ignore_eos=True, max_tokens=7, temperature=0.0), use_tqdm=False)
+    assert len(fixed[0].outputs[0].token_ids) == 7 and fixed[0].outputs[0].finish_reason == "length"
+
+    lp = llm.generate([p], SamplingParams(logprobs=3, max_tokens=4, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert len(lp.logprobs) == 4
+    for tok, entry in zip(lp.token_ids, lp.logprobs):
+        assert tok in entry and len(entry) >= 3 and all(v <= 0 for v in entry.values())
+        assert entry[tok] == max(entry.values())  # greedy picks the most likely token
+
+
+def test_stop_strings_and_stop_token_ids(llm):
+    base = llm.generate(["1, 2, 3, 4, 5,"], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    text = base[0].outputs[0].text
+    assert " 7" in text, text
+    stopped = llm.generate(["1, 2, 3, 4, 5,"], SamplingParams(temperature=0.0, max_tokens=12, stop=[" 7"]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.text == text[:text.index(" 7")]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == " 7"
+    first = base[0].outputs[0].token_ids[2]
+    by_id = llm.generate(["1, 2, 3, 4, 5,"], SamplingParams(temperature=0.0, max_tokens=12,
+                                                              stop_token_ids=[first]), use_tqdm=False)[0]
+    assert by_id.outputs[0].token_ids == base[0].outputs[0].token_ids[:3]
+    assert by_id.outputs[0].stop_reason == first
+
+
+def test_chat_answers_sensibly(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_incremental_detokenization_handles_multibyte(llm):
+    tok = llm.get_tokenizer()
+    from pagedllm.engine.detokenizer import IncrementalDetokenizer
+    text = "Grüße aus Köln! 日本語のテキスト 🐉🔥 done."
+    ids = tok(text).input_ids
+    d = IncrementalDetokenizer(tok, [1, 2], skip_special_tokens=True, stop=[], include_stop_str_in_output=False)
+    for t in ids:
+        d.update(t)
+        assert "\ufffd" not in d.text
+    assert d.text == tok.decode(ids)
+
+
+def test_cli_generate(capsys):
+    from pagedllm.entrypoints.cli import main
+    main(["generate", "--prompt", "The capital of France is", "--max-tokens", "5", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "### The capital of France is" in out and "Paris" in out

@@ -1,0 +1,138 @@
+"""Sampler and SamplingParams behaviour on synthetic logits (no model needed)."""
+import pytest
+import torch
+
+from pagedllm import SamplingParams
+from pagedllm.engine.request import Request
+from pagedllm.layers.sampler import Sampler
+
+VOCAB = 50
+
+
+def make_request(rid="r", prompt=(1, 2, 3), index=0, eos=frozenset({0}), **params):
+    sp = SamplingParams(**params)
+    return Request(rid, list(prompt), sp, max_tokens=sp.max_tokens or 16, index=index, eos_token_ids=eos)
+
+
+def sample(requests, logits, seed=0):
+    return Sampler(torch.device("cpu"), seed)(logits, requests)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0), ("top_k", -2),
+    ("top_k", 0), ("min_p", 1.5), ("logprobs", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
+    ("frequency_penalty", -2.5), ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=3)
+
+
+def test_greedy_takes_argmax():
+    logits = torch.randn(3, VOCAB)
+    reqs = [make_request(str(i), temperature=0.0) for i in range(3)]
+    assert sample(reqs, logits.clone()).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_is_greedy_even_when_hot():
+    logits = torch.randn(4, VOCAB)
+    reqs = [make_request(str(i), temperature=5.0, top_k=1) for i in range(4)]
+    assert sample(reqs, logits.clone()).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, 7], logits[0, 9] = 5.0, 4.9  # together nearly all of the mass
+    seen = set()
+    for seed in range(40):
+        seen.update(sample([make_request(temperature=1.0, top_p=0.5, seed=seed)], logits.clone()).token_ids)
+    assert seen == {7}
+    for seed in range(40):
+        seen.update(sample([make_request(temperature=1.0, top_p=0.99, seed=seed)], logits.clone()).token_ids)
+    assert seen == {7, 9}
+
+
+def test_min_p_filters_unlikely_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = 3.0  # p(3) ~ 0.29, every other ~ 0.014
+    for seed in range(30):
+        out = sample([make_request(temperature=1.0, min_p=0.1, seed=seed)], logits.clone())
+        assert out.token_ids == [3]
+
+
+def test_seed_makes_sampling_independent_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(5, VOCAB)
+    alone = []
+    for _ in range(3):
+        alone.append(sample([make_request("a", temperature=1.0, seed=123)], logits[2:3].clone()).token_ids[0])
+    batch_reqs = [make_request(str(i), temperature=1.0, seed=123 if i == 2 else None) for i in range(5)]
+    together = []
+    sampler = Sampler(torch.device("cpu"), 7)
+    for _ in range(3):
+        together.append(sampler(logits.clone(), batch_reqs).token_ids[2])
+    # The seeded request keeps its generator across steps, so compare step by step with one generator too.
+    single = make_request("a", temperature=1.0, seed=123)
+    single_sampler = Sampler(torch.device("cpu"), 99)
+    expected = [single_sampler(logits[2:3].clone(), [single]).token_ids[0] for _ in range(3)]
+    assert together == expected
+    assert alone[0] == expected[0]
+
+
+def test_samples_of_one_request_differ():
+    logits = torch.zeros(1, VOCAB)
+    ra, rb = make_request(index=0, temperature=1.0, seed=5), make_request(index=1, temperature=1.0, seed=5)
+    s = Sampler(torch.device("cpu"), 0)
+    seq_a = [s(logits.clone(), [ra]).token_ids[0] for _ in range(10)]
+    seq_b = [s(logits.clone(), [rb]).token_ids[0] for _ in range(10)]
+    assert seq_a != seq_b
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 1], logits[0, 20] = 2.0, 1.5  # token 1 is in the prompt
+    assert sample([make_request(temperature=0.0)], logits.clone()).token_ids == [1]
+    assert sample([make_request(temperature=0.0, repetition_penalty=2.0)], logits.clone()).token_ids == [20]
+
+
+def test_frequency_and_presence_penalties_count_output_tokens():
+    req = make_request(prompt=(30,), temperature=0.0, frequency_penalty=1.0)
+    for t in (5, 5, 5):
+        req.append_output_token(t)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5], logits[0, 6] = 3.0, 1.0
+    assert sample([req], logits.clone()).token_ids == [6]  # 3 - 3*1.0 = 0 < 1
+    req2 = make_request(prompt=(30,), temperature=0.0, presence_penalty=1.5)
+    req2.append_output_token(5)
+    assert sample([req2], logits.clone()).token_ids == [5]  # 3 - 1.5 = 1.5 > 1
+    req2.sampling_params.presence_penalty = 2.0
+    logits[0, 6] = 1.1
+    assert sample([req2], logits.clone()).token_ids == [6]
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 0], logits[0, 4], logits[0, 8] = 9.0, 8.0, 1.0
+    req = make_request(temperature=0.0, min_tokens=2, stop_token_ids=[4])
+    assert sample([req], logits.clone()).token_ids == [8]
+    req.append_output_token(8)
+    req.append_output_token(8)
+    assert sample([req], logits.clone()).token_ids == [0]
+
+
+def test_logprobs_are_raw_log_softmax_with_top_k():
+    logits = torch.randn(2, VOCAB)
+    reqs = [make_request("a", temperature=0.0, logprobs=3), make_request("b", temperature=0.0)]
+    out = sample(reqs, logits.clone())
+    ref = torch.log_softmax(logits[0], -1)
+    lp = out.logprobs[0]
+    top = torch.topk(ref, 3).indices.tolist()
+    assert set(lp) == set(top) | {out.token_ids[0]}
+    for tok, val in lp.items():
+        assert val == pytest.approx(float(ref[tok]), abs=1e-5)
+    assert out.logprobs[1] is None
