@@ -1,0 +1,320 @@
+"""The generation endpoints: /v1/completions and /v1/chat/completions on top of AsyncLLMEngine.
+
+Both run the same way: prompts become engine requests feeding one OutputStream, its cumulative outputs turn
+into per-choice deltas (_Generation.deltas), and the deltas are formatted as SSE chunks or gathered into one
+response. Non-streaming responses are the concatenation of the deltas, so both paths return the same text.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from jinja2 import TemplateError
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDead, EngineOverloaded
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, TopLogprob, UsageInfo, random_id)
+from pagedllm.outputs import CompletionOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+
+
+class APIError(Exception):
+    """An error the client sees in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Delta:
+    """What one choice gained since it last reported: new text, new tokens, and how it ended."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class _Choice:
+    sent_chars: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def advance(self, index: int, out: CompletionOutput, stop: list[str]) -> Delta | None:
+        if self.finished or (len(out.token_ids) == self.num_tokens and out.finish_reason is None):
+            return None
+        self.finished = out.finish_reason is not None
+        end = len(out.text)
+        if not self.finished:
+            # Text that could be the start of a stop string stays back until the next tokens decide.
+            end -= _stop_prefix_len(out.text, stop)
+        logprobs = out.logprobs[self.num_tokens:len(out.token_ids)] if out.logprobs is not None else None
+        delta = Delta(index, out.text[self.sent_chars:end], out.token_ids[self.num_tokens:], logprobs,
+                      out.finish_reason, out.stop_reason)
+        self.sent_chars, self.num_tokens = end, len(out.token_ids)
+        return delta
+
+
+def _stop_prefix_len(text: str, stop: list[str]) -> int:
+    """Length of the longest end of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class _Generation:
+    """One API call in flight: its engine requests (one per prompt) and the state of its choices."""
+    engine: AsyncLLMEngine
+    metrics: ServerMetrics
+    request_id: str
+    prompts: list[tuple[str | None, list[int]]]
+    params: SamplingParams
+    start: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.stream = self.engine.open_stream()
+        self.choices = [_Choice() for _ in range(len(self.prompts) * self.params.n)]
+        self.prompt_index = {f"{self.request_id}-{i}": i for i in range(len(self.prompts))}
+
+    async def add_requests(self) -> None:
+        max_len = self.engine.config.max_model_len
+        for _, ids in self.prompts:
+            if self.params.max_tokens is not None and len(ids) + self.params.max_tokens > max_len:
+                raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you "
+                                    f"requested {len(ids) + self.params.max_tokens} tokens ({len(ids)} in the "
+                                    f"prompt, {self.params.max_tokens} for the completion).", param="max_tokens")
+        try:
+            for rid, (text, ids) in zip(self.prompt_index, self.prompts):
+                await self.engine.add_request(self.stream, rid, ids, self.params, text)
+        except BaseException as e:
+            self.stream.abort()
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param="prompt") from e
+            if isinstance(e, EngineOverloaded):
+                raise APIError(503, f"The server is overloaded: {e}. Retry later.", type="server_error",
+                               code="overloaded") from e
+            if isinstance(e, EngineDead):
+                raise APIError(500, str(e), type="server_error") from e
+            raise
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Per-choice deltas until every choice finished; aborts the engine requests if the caller stops early
+        (client gone). Records TTFT / inter-token latency and logs one line per call."""
+        n = self.params.n
+        last_token_time = [None] * len(self.prompts)
+        num_tokens = [0] * len(self.prompts)
+        try:
+            async for out in self.stream:
+                now = time.perf_counter()
+                p = self.prompt_index[out.request_id]
+                generated = max(len(c.token_ids) for c in out.outputs)
+                if generated > num_tokens[p]:
+                    if last_token_time[p] is None:
+                        self.metrics.time_to_first_token.observe(now - self.start)
+                    else:
+                        new = generated - num_tokens[p]
+                        self.metrics.inter_token_latency.observe((now - last_token_time[p]) / new, new)
+                    last_token_time[p], num_tokens[p] = now, generated
+                for c in out.outputs:
+                    delta = self.choices[p * n + c.index].advance(p * n + c.index, c, self.params.stop)
+                    if delta is not None:
+                        yield delta
+        except EngineDead as e:
+            raise APIError(500, str(e), type="server_error") from e
+        finally:
+            self.stream.abort()
+            done = all(c.finished for c in self.choices)
+            logger.info("%s: %d prompt tokens, %d completion tokens, %.3f s%s", self.request_id,
+                        self.usage().prompt_tokens, self.usage().completion_tokens,
+                        time.perf_counter() - self.start, "" if done else ", aborted")
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(len(ids) for _, ids in self.prompts)
+        completion = sum(c.num_tokens for c in self.choices)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def sse(payload) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self._token_texts: dict[int, str] = {}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, f"this model has no tokenizer, so {what} is not possible; pass token ids")
+
+    # ---- /v1/completions ---------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.echo or any(isinstance(p, str) for p in req.prompts):
+            self.need_tokenizer("echo or a text prompt")
+        prompts = await self.engine.call(self._prepare_prompts, req.prompts, req.echo)
+        gen = await self._start("cmpl", prompts, req, req.max_tokens, req.logprobs)
+        # Echoed prompts go in front of each choice's first piece of text.
+        prefixes = [text if req.echo else "" for text, _ in prompts for _ in range(req.n)]
+        offsets = list(map(len, prefixes))
+
+        def choice(d: Delta) -> CompletionChoice:
+            text, prefixes[d.index] = prefixes[d.index] + d.text, ""
+            return CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
+                                    stop_reason=d.stop_reason, logprobs=self._completion_logprobs(d, gen, offsets))
+
+        def response(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+            return CompletionResponse(id=gen.request_id, model=self.model_name, choices=choices, usage=usage)
+
+        if req.stream:
+            return self._sse(gen, [], lambda d: response([choice(d)]),
+                             lambda: response([], gen.usage()) if req.include_usage else None)
+        choices = [CompletionChoice(index=i, text="") for i in range(len(gen.choices))]
+        async for d in gen.deltas():
+            part, total = choice(d), choices[d.index]
+            total.text += part.text
+            total.finish_reason, total.stop_reason = part.finish_reason, part.stop_reason
+            if part.logprobs is not None:
+                total.logprobs = total.logprobs or CompletionLogprobs()
+                for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                    getattr(total.logprobs, key).extend(getattr(part.logprobs, key))
+        return response(choices, gen.usage())
+
+    def _prepare_prompts(self, prompts: list[str | list[int]], echo: bool) -> list[tuple[str | None, list[int]]]:
+        """On the engine thread: (prompt text, token ids) per prompt; token-id prompts get text only for echo."""
+        tok = self.tokenizer
+        return [(p, tok(p).input_ids) if isinstance(p, str) else (tok.decode(p) if echo else None, p)
+                for p in prompts]
+
+    # ---- /v1/chat/completions ----------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        self.need_tokenizer("chat")
+        messages = [m.as_template_input() for m in req.messages]
+        prompt = await self.engine.call(self.chat_prompt, messages, True)
+        gen = await self._start("chatcmpl", [prompt], req, req.max_new_tokens, req.num_logprobs)
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=gen.request_id, model=self.model_name, choices=choices, usage=usage)
+
+        if req.stream:
+            head = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                          for i in range(req.n)])
+            return self._sse(gen, [head], lambda d: chunk([ChatStreamChoice(
+                index=d.index, delta=ChatDelta(content=d.text), logprobs=self._chat_logprobs(d, gen),
+                finish_reason=d.finish_reason, stop_reason=d.stop_reason)]),
+                lambda: chunk([], gen.usage()) if req.include_usage else None)
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content="")) for i in range(req.n)]
+        async for d in gen.deltas():
+            total = choices[d.index]
+            total.message.content += d.text
+            total.finish_reason, total.stop_reason = d.finish_reason, d.stop_reason
+            logprobs = self._chat_logprobs(d, gen)
+            if logprobs is not None:
+                total.logprobs = total.logprobs or ChatLogprobs(content=[])
+                total.logprobs.content += logprobs.content
+        return ChatCompletionResponse(id=gen.request_id, model=self.model_name, choices=choices,
+                                      usage=gen.usage())
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """On the engine thread: the chat template's text and its token ids."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        # The template already holds any BOS token, so it is not added again.
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    # ---- shared ------------------------------------------------------------------------------------------
+    async def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], req,
+                     max_tokens: int | None, logprobs: int | None) -> _Generation:
+        try:
+            params = req.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        gen = _Generation(self.engine, self.metrics, random_id(prefix), prompts, params)
+        await gen.add_requests()
+        return gen
+
+    @staticmethod
+    async def _sse(gen: _Generation, head: list, chunk_of, usage_chunk) -> AsyncIterator[str]:
+        """Server-sent events: head chunks, one chunk per delta, the usage chunk if asked for, [DONE].
+        The response is already 200 when generation fails, so a failure becomes an error event."""
+        try:
+            for h in head:
+                yield sse(h)
+            async for d in gen.deltas():
+                yield sse(chunk_of(d))
+            usage = usage_chunk()
+            if usage is not None:
+                yield sse(usage)
+        except APIError as e:
+            yield sse(e.body())
+        yield "data: [DONE]\n\n"
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer else f"token_id:{token_id}"
+            self._token_texts[token_id] = text
+        return text
+
+    @staticmethod
+    def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+        # The entry holds the sampled token plus the top k; sorting puts a sampled token outside them last.
+        return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+    def _completion_logprobs(self, d: Delta, gen: _Generation, offsets: list[int]) -> CompletionLogprobs | None:
+        if d.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        for tid, entry in zip(d.token_ids, d.logprobs):
+            text = self._token_text(tid)
+            out.tokens.append(text)
+            out.token_logprobs.append(entry[tid])
+            out.top_logprobs.append({self._token_text(t): lp for t, lp in self._top(entry, gen.params.logprobs)})
+            out.text_offset.append(offsets[d.index])
+            offsets[d.index] += len(text)
+        return out
+
+    def _chat_logprobs(self, d: Delta, gen: _Generation) -> ChatLogprobs | None:
+        if d.logprobs is None:
+            return None
+
+        def top(t: int, lp: float) -> TopLogprob:
+            text = self._token_text(t)
+            return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**top(tid, entry[tid]).model_dump(),
+                             top_logprobs=[top(t, lp) for t, lp in self._top(entry, gen.params.logprobs)])
+            for tid, entry in zip(d.token_ids, d.logprobs)])

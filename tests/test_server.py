@@ -1,0 +1,359 @@
+"""The OpenAI-compatible server, started for real on loopback and driven with the official openai client."""
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from conftest import MODEL
+from pagedllm import SamplingParams
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 256
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "Name three colors."}]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], env: dict | None = None):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", *args, "--port", str(port)],
+                            cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        assert proc.poll() is None, f"server exited: {proc.stderr.read()}"
+        assert time.time() < deadline, "server did not start in time"
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    # The key comes from the environment variable, which --api-key would override.
+    proc, url = start_server([MODEL, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)],
+                             env={"PAGEDLLM_API_KEY": API_KEY})
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """A two-layer random-weight model (--load-format dummy) with SmolLM2's tokenizer: starts in seconds, and
+    a queue limit of 4 waiting requests with one sequence at a time."""
+    from pagedllm.models.loader import resolve_model
+    tokenizer_dir = resolve_model(MODEL)
+    with open(tokenizer_dir / "config.json") as f:
+        config = json.load(f)
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+    model_dir = tmp_path_factory.mktemp("tiny")
+    (model_dir / "config.json").write_text(json.dumps(config))
+    proc, url = start_server([str(model_dir), "--load-format", "dummy", "--tokenizer", str(tokenizer_dir),
+                              "--served-model-name", "tiny", "--max-num-seqs", "1",
+                              "--max-waiting-requests", "4"])
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def get_metrics(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("pagedllm:") and "_bucket" not in line}
+
+
+def wait_for_metrics(url: str, condition, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.time() + timeout
+    while not condition(m := get_metrics(url)):
+        assert time.time() < deadline, f"metrics never got there: {m}"
+        time.sleep(0.02)
+    return m
+
+
+def post(url: str, path: str, body: bytes | dict, key: str | None = API_KEY) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# ---- results equal the offline engine's -------------------------------------------------------------------
+def test_completions_greedy_match_llm_generate(client, llm):
+    expected = [o.outputs[0].text for o in
+                llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)]
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == expected
+    assert batch.usage.completion_tokens == 24
+    token_ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    by_ids = client.completions.create(model=MODEL, prompt=token_ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == expected[0]
+    assert by_ids.usage.prompt_tokens == len(token_ids)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_greedy_matches_llm_chat(client, llm):
+    expected = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10, temperature=0)
+    assert full.choices[0].message.content == expected.text
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == len(expected.token_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_n_and_seed_reproduce(client):
+    def sample(stream: bool) -> list[str]:
+        out = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, seed=1234, temperature=1.0,
+                                             max_tokens=8, stream=stream)
+        if not stream:
+            return [c.message.content for c in sorted(out.choices, key=lambda c: c.index)]
+        texts = ["", ""]
+        for chunk in out:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+        return texts
+
+    first = sample(stream=False)
+    assert len(first) == 2 and first[0] != first[1]
+    assert sample(stream=True) == first
+
+
+def test_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text and len(lp.tokens) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # Greedy: the chosen token is the most likely one.
+        assert len(top) == 3 and top[token] == logprob == max(top.values()) and logprob <= 0
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in content)
+
+
+def test_stop_strings_are_cut_and_never_streamed_in_part(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, logprobs=0)
+    tokens = base.choices[0].logprobs.tokens
+    # A stop string that starts inside one token and ends inside the next, so streaming must hold back the
+    # end of the first token until the next one shows whether the stop string is complete.
+    i = next(i for i in range(3, len(tokens) - 1) if len(tokens[i]) >= 2 and tokens[i + 1].strip())
+    start = sum(map(len, tokens[:i])) + 1
+    stop = base.choices[0].text[start:start + len(tokens[i])]
+    expected = base.choices[0].text[:base.choices[0].text.index(stop)]
+
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, stop=[stop])
+    assert full.choices[0].text == expected and full.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                            stop=["never appears", stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_echo_and_extras(client):
+    extras = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 4, "ignore_eos": True}
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                    extra_body=extras)
+    assert out.choices[0].text.startswith(PROMPTS[0]) and len(out.choices[0].text) > len(PROMPTS[0])
+    assert out.usage.completion_tokens == 4
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                            echo=True, stream=True, extra_body=extras))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+
+
+# ---- the other endpoints ----------------------------------------------------------------------------------
+def test_models_health_tokenize_detokenize(server, client, llm):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert urllib.request.urlopen(server + "/health").status == 200
+    status, body = post(server, "/tokenize", {"prompt": PROMPTS[0]})
+    assert status == 200 and body["tokens"] == llm.get_tokenizer()(PROMPTS[0]).input_ids
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN
+    assert post(server, "/detokenize", {"tokens": body["tokens"]}) == (200, {"prompt": PROMPTS[0]})
+    status, chat = post(server, "/tokenize", {"messages": CHAT})
+    assert status == 200 and chat["count"] > body["count"]
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400),  # malformed JSON
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400),  # wrong type
+    ("/v1/completions", {"prompt": 5}, 400),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400),  # unknown field
+    ("/v1/completions", {"max_tokens": 4}, 400),  # no prompt
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400),  # out of range
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": -3}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 8}, 400),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    ("/v1/completions", {"prompt": ""}, 400),  # no tokens
+    ("/v1/completions", {"prompt": [-1, 5]}, 400),  # bad token ids
+    ("/v1/completions", {"prompt": [10**9]}, 400),
+    ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, 400),  # beyond max_model_len
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400),  # prompt + max_tokens too long
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-nonexistent"}, 404),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-nonexistent"}, 404),
+    ("/v1/no-such-endpoint", {}, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status):
+    got, error = post(server, path, body)
+    assert got == status, error
+    assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["message"]
+
+
+def test_api_key_is_required_and_server_keeps_serving(server, client):
+    for key in (None, "wrong-key"):
+        status, error = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, key=key)
+        assert status == 401 and error["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=server + "/v1", api_key="wrong-key", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-nonexistent", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason
+    assert get_metrics(server)["pagedllm:num_requests_running"] == 0
+
+
+# ---- load, disconnects, overload --------------------------------------------------------------------------
+def test_load_with_disconnecting_clients_frees_everything(server):
+    """64 concurrent streams; every fourth client hangs up after two chunks of a long request. The others
+    finish; the hung-up ones are aborted (not run to their 200 tokens) and all blocks come back."""
+    async def run() -> list[str | None]:
+        aclient = AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(i: int) -> str | None:
+            leaves = i % 4 == 0
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=f"Request {i}: once upon a time", temperature=0, stream=True,
+                max_tokens=200 if leaves else 6, extra_body={"ignore_eos": leaves})
+            finish = None
+            async for n, chunk in _aenumerate(stream):
+                finish = chunk.choices[0].finish_reason or finish
+                if leaves and n == 1:
+                    await stream.close()
+                    return "left"
+            return finish
+
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), timeout=150)
+        await aclient.close()
+        return results
+
+    before = get_metrics(server)
+    results = asyncio.run(run())
+    assert results.count("left") == 16
+    assert all(r in ("length", "stop") for r in results if r != "left")
+    after = wait_for_metrics(server, lambda m: m["pagedllm:num_requests_running"] == 0
+                             and m["pagedllm:num_requests_waiting"] == 0)
+    assert after["pagedllm:kv_cache_usage_perc"] == 0.0
+    generated = after["pagedllm:generation_tokens"] - before["pagedllm:generation_tokens"]
+    assert generated < 48 * 6 + 16 * 40, "disconnected clients' requests kept generating"
+    assert after["pagedllm:time_to_first_token_seconds_count"] >= before[
+        "pagedllm:time_to_first_token_seconds_count"] + 64
+    assert after["pagedllm:inter_token_latency_seconds_count"] > before["pagedllm:inter_token_latency_seconds_count"]
+
+
+async def _aenumerate(aiterable):
+    n = 0
+    async for item in aiterable:
+        yield n, item
+        n += 1
+
+
+def test_non_streaming_client_disconnect_aborts(tiny_server):
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", int(tiny_server.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for_metrics(tiny_server, lambda m: m["pagedllm:num_requests_running"] == 1)
+    m = wait_for_metrics(tiny_server, lambda m: m["pagedllm:num_requests_running"] == 0, timeout=5)
+    assert m["pagedllm:kv_cache_usage_perc"] == 0.0 and m["pagedllm:generation_tokens"] < 3000
+
+
+def test_full_waiting_queue_gets_503_then_recovers(tiny_server):
+    tiny = OpenAI(base_url=tiny_server + "/v1", api_key="unused", max_retries=0)
+    blocker = tiny.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3000, stream=True,
+                                      extra_body={"ignore_eos": True})
+    next(iter(blocker))  # running now: the only sequence slot is taken
+    with ThreadPoolExecutor(4) as pool:
+        waiting = [pool.submit(tiny.completions.create, model="tiny", prompt=[5, 6], max_tokens=2)
+                   for _ in range(4)]
+        wait_for_metrics(tiny_server, lambda m: m["pagedllm:num_requests_waiting"] == 4)
+        status, error = post(tiny_server, "/v1/completions", {"prompt": [5], "max_tokens": 2}, key=None)
+        assert status == 503 and error["error"]["code"] == "overloaded"
+        blocker.close()
+        assert all(f.result(timeout=60).choices[0].finish_reason == "length" for f in waiting)
+    assert tiny.completions.create(model="tiny", prompt=[5], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_serving_benchmark_runs_against_a_dummy_model(tiny_server, tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import serving
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "serving.json"
+    report = serving.main(["--base-url", tiny_server, "--num-prompts", "4", "--request-rates", "20,inf",
+                           "--input-len", "8", "--output-len", "4", "--output", str(out)])
+    assert json.loads(out.read_text()) == report
+    for row in report["results"]:
+        assert row["completed"] == 4 and row["failed"] == 0
+        assert row["ttft_p50_ms"] > 0 and row["itl_p99_ms"] >= row["itl_p50_ms"] > 0
+        assert row["output_throughput"] > 0
