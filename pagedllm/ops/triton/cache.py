@@ -1,0 +1,70 @@
+"""reshape_and_cache: scatter new keys/values [num_tokens, num_kv_heads, head_size] into the paged caches
+(key [blocks, kv_heads, head_size/x, block_size, x], value [blocks, kv_heads, head_size, block_size]),
+quantising to fp8 bits of x/scale when the cache is fp8. Grid: (num_slots, num_kv_heads)."""
+import triton
+import triton.language as tl
+
+from . import _host
+from .paged_tile import load_scale
+
+
+@triton.jit
+def _store_quantized(ptr, x, scale, mask, FP8: tl.constexpr):
+    if FP8 == 0:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+    else:
+        # Saturate like the reference instead of overflowing to inf/NaN, then store the raw bits
+        # (the cache is uint8, or a torch float8 tensor of the same format).
+        y = x.to(tl.float32) / scale
+        if FP8 == 1:
+            y = tl.clamp(y, -448.0, 448.0).to(tl.float8e4nv)
+        else:
+            y = tl.clamp(y, -57344.0, 57344.0).to(tl.float8e5)
+        tl.store(ptr, y.to(ptr.dtype.element_ty, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kch, stride_kcx, stride_vcb, stride_vch, stride_vcd,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
+    FP8: tl.constexpr, SCALE_PTR: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    if slot < 0:
+        return  # padding token
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_SIZE
+    k = tl.load(key + token * stride_kt + head * stride_kh + d, mask=d_ok)
+    v = tl.load(value + token * stride_vt + head * stride_vh + d, mask=d_ok)
+    k_scale_val = 1.0
+    v_scale_val = 1.0
+    if FP8 != 0:
+        k_scale_val = load_scale(k_scale, SCALE_PTR)
+        v_scale_val = load_scale(v_scale, SCALE_PTR)
+    k_ptr = key_cache + block * stride_kcb + head * stride_kch + (d // X) * stride_kcx + offset * X + d % X
+    v_ptr = value_cache + block * stride_vcb + head * stride_vch + d * stride_vcd + offset
+    _store_quantized(k_ptr, k, k_scale_val, d_ok, FP8)
+    _store_quantized(v_ptr, v, v_scale_val, d_ok, FP8)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    _host.check_cache_layout(key_cache, value_cache)
+    num_slots = slot_mapping.shape[0]  # may be shorter than key (trailing padding tokens are ignored)
+    if num_slots == 0:
+        return
+    num_kv_heads, head_size = key.shape[1], key.shape[2]
+    k_scale, v_scale, scale_ptr = _host.scale_args(k_scale, v_scale)
+    _reshape_and_cache_kernel[(num_slots, num_kv_heads)](
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        HEAD_SIZE=head_size, HEAD_PAD=_host.pow2_at_least(head_size, 16), BLOCK_SIZE=value_cache.shape[-1],
+        X=key_cache.shape[-1], FP8=_host.fp8_kind(kv_cache_dtype), SCALE_PTR=scale_ptr, num_warps=1,
+    )

@@ -1,0 +1,96 @@
+"""Triton building blocks shared by the paged decode and prefill kernels.
+
+`attend_tile` is the whole inner step of both: gather BLOCK_N keys/values of one kv head through the
+block table (several pages per tile, so enough bytes are in flight), dequantise fp8 in registers,
+S = Q K^T on tensor cores, mask, online-softmax update in the exp2 domain, acc += P V.
+Q is a tile of M rows (query heads of one kv group, times query tokens for prefill), so each K/V byte is
+read once per kv head however many query heads share it.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def load_scale(scale, IS_PTR: tl.constexpr):
+    if IS_PTR:
+        return tl.load(scale).to(tl.float32)
+    else:
+        return scale
+
+
+@triton.jit
+def _to_compute(x, DTYPE: tl.constexpr, FP8: tl.constexpr):
+    # fp8 caches hold raw bits in uint8; the scale is folded into the logits / output by the caller.
+    if FP8 == 1:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    elif FP8 == 2:
+        x = x.to(tl.float8e5, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def attend_tile(
+    q, m_i, l_i, acc,            # [M, D] query tile; running max (log2 units), sum, [M, D] accumulator
+    start_n, seq_len,            # first key position of the tile; keys >= seq_len do not exist
+    q_pos,                       # [M] position of each row's query: key n is visible iff n <= q_pos
+    alibi,                       # [M] ALiBi slope * log2(e) per row (ignored unless ALIBI)
+    qk_scale,                    # softmax scale * log2(e) (* k_scale for fp8)
+    k_cache, v_cache, block_table, kv_head,
+    stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_vd,
+    sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,  # [M] offsets + scalars (SPARSE)
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    X: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr, SPARSE: tl.constexpr, ALIBI: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    page_idx = offs_n // BLOCK_SIZE
+    slot = offs_n % BLOCK_SIZE
+    # Loads are masked per page (not per token) so the mask stays constant along a page and the V load,
+    # contiguous along tokens of a page, remains vectorised; the tail of the last page is masked later.
+    page_ok = page_idx * BLOCK_SIZE < seq_len
+    if SPARSE:
+        # vLLM's block-sparse rule, per row (with head sliding the rows of a group differ); a page is
+        # loaded only if some row keeps it, so skipped blocks cost no memory traffic.
+        bs_id = (page_idx * BLOCK_SIZE) // sparse_block
+        keep = ((bs_id[None, :] + sparse_off[:, None]) % sparse_vert == 0) | \
+            (bs_id[None, :] > sparse_q_block - sparse_local)
+        keep = keep & ((page_idx * BLOCK_SIZE)[None, :] <= q_pos[:, None])
+        page_ok = page_ok & (tl.max(keep.to(tl.int32), axis=0) > 0)
+    page = tl.load(block_table + page_idx, mask=page_ok, other=0).to(tl.int64)
+
+    # K tile [D, N] from [blocks, kv_heads, D/X, BLOCK_SIZE, X]: 16-byte runs along D.
+    k_off = page[None, :] * stride_kb + kv_head * stride_kh + (offs_d[:, None] // X) * stride_kx \
+        + slot[None, :] * X + (offs_d[:, None] % X)
+    # V tile [N, D] from [blocks, kv_heads, D, BLOCK_SIZE]: runs of BLOCK_SIZE tokens are contiguous, which
+    # the compiler cannot see through the gathered page numbers, hence the hints.
+    v_off = page[:, None] * stride_vb + kv_head * stride_vh + offs_d[None, :] * stride_vd + slot[:, None]
+    v_off = tl.max_contiguous(tl.multiple_of(v_off, [BLOCK_SIZE, 1]), [BLOCK_SIZE, 1])
+    k = tl.load(k_cache + k_off, mask=d_ok[:, None] & page_ok[None, :], other=0.0)
+    v = tl.load(v_cache + v_off, mask=page_ok[:, None] & d_ok[None, :], other=0.0)
+    k = _to_compute(k, q.dtype, FP8)
+    v = _to_compute(v, q.dtype, FP8)
+
+    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+    if ALIBI:
+        s += alibi[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+    if MASKED:
+        tok_ok = page_ok & (offs_n < seq_len)
+        visible = tok_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SPARSE:
+            visible = visible & keep
+        s = tl.where(visible, s, float("-inf"))
+        # Cache slots past seq_len hold garbage (maybe NaN); P is 0 there but 0 * NaN is not.
+        v = tl.where(tok_ok[:, None], v, 0.0)
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc

@@ -1,0 +1,186 @@
+"""The Triton kernels against pagedllm.ops.reference, on CPU under the Triton interpreter (fp16/fp32;
+the interpreter mishandles bf16). tests/gpu/test_triton_gpu.py runs the same checks on CUDA at scale."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (the ops import it lazily)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from pagedllm.ops import reference  # noqa: E402
+from paged_cases import alibi, assert_close, make_caches, nan_like  # noqa: E402
+
+pytest.importorskip("triton")
+
+
+def _ops():
+    import pagedllm.ops.triton as ops
+    return ops
+
+
+def _decode_case(seed, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype,
+                 use_alibi, scale_as_tensor=True):
+    gen = torch.Generator().manual_seed(seed)
+    k_scale, v_scale = (0.05, 0.04) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    if scale_as_tensor:
+        k_scale, v_scale = torch.tensor([k_scale]), torch.tensor([v_scale])
+    kc, vc, tables, lens, _, _ = make_caches(seq_lens, num_kv_heads, head_size, block_size, dtype,
+                                             kv_cache_dtype, "cpu", gen, k_scale, v_scale)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dtype)
+    slopes = alibi(num_heads, "cpu") if use_alibi else None
+    args = (query, kc, vc, num_kv_heads, head_size ** -0.5, tables, lens, block_size, max(seq_lens), slopes,
+            kv_cache_dtype, k_scale, v_scale)
+    return query, args
+
+
+# (seed, seq_lens, heads, kv_heads, head_size, block_size, dtype, kv_cache_dtype, alibi)
+DECODE_CASES = [
+    (0, [1, 16, 37], 4, 4, 64, 16, torch.float32, "auto", False),
+    (1, [8, 9, 530], 8, 2, 80, 8, torch.float16, "auto", False),
+    (2, [513, 1, 64], 8, 2, 64, 8, torch.float32, "auto", True),
+    (3, [100, 17], 4, 1, 80, 16, torch.float16, "fp8_e4m3", False),
+    (4, [31, 600], 4, 4, 64, 16, torch.float32, "fp8_e5m2", True),
+    (5, [2, 47, 64], 4, 1, 64, 8, torch.float16, "fp8", True),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"seed{c[0]}")
+@pytest.mark.parametrize("kernel", ["v1", "v2", "auto"])
+def test_decode_matches_reference(case, kernel):
+    dtype = case[6]
+    query, args = _decode_case(*case)
+    expected = torch.empty_like(query)
+    reference.paged_attention_v1(expected, *args)
+    out = nan_like(query)
+    ops = _ops()
+    if kernel == "v1":
+        ops.paged_attention_v1(out, *args)
+    elif kernel == "v2":
+        _run_v2_and_check_workspace(ops, out, query, args)
+    else:
+        ops.paged_attention(out, *args)
+    assert_close(out, expected, dtype)
+
+
+def _v2_workspace(query, max_seq_len, fill):
+    parts = -(-max_seq_len // reference.PARTITION_SIZE)
+    s, h, d = query.shape
+    return (torch.full((s, h, parts), fill), torch.full((s, h, parts), fill),
+            torch.full((s, h, parts, d), fill, dtype=query.dtype))
+
+
+def _run_v2_and_check_workspace(ops, out, query, args, sparse=()):
+    max_seq_len, lens = args[8], args[6]
+    ours = _v2_workspace(query, max_seq_len, float("nan"))
+    theirs = _v2_workspace(query, max_seq_len, 0.0)
+    ops.paged_attention_v2(out, *ours, *args, *sparse)
+    reference.paged_attention_v2(torch.empty_like(query), *theirs, *args, *sparse)
+    # Only partitions holding tokens are defined (vLLM leaves the others unwritten too).
+    parts = torch.arange(ours[0].shape[-1])
+    live = parts[None, :] * reference.PARTITION_SIZE < lens[:, None].long()
+    for name, a, b in zip(("exp_sums", "max_logits", "tmp_out"), ours, theirs):
+        a, b = a[live.nonzero(as_tuple=True)[0], :, live.nonzero(as_tuple=True)[1]], \
+            b[live.nonzero(as_tuple=True)[0], :, live.nonzero(as_tuple=True)[1]]
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-3, rtol=5e-3, msg=name)
+
+
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
+@pytest.mark.parametrize("step", [0, 1, -2])
+def test_decode_block_sparse(kernel, step):
+    # 8 query heads over 2 kv heads; sparse blocks of 32 tokens over pages of 8; lengths past 512 for v2.
+    query, args = _decode_case(10 + step, [200, 577, 33], 8, 2, 64, 8, torch.float32, "auto", step == 1)
+    sparse = (0, 2, 3, 32, step)  # tp_rank, local_blocks, vert_stride, block_size, head_sliding_step
+    expected = torch.empty_like(query)
+    reference.paged_attention_v1(expected, *args, *sparse)
+    out = nan_like(query)
+    if kernel == "v1":
+        _ops().paged_attention_v1(out, *args, *sparse)
+    else:
+        _run_v2_and_check_workspace(_ops(), out, query, args, sparse)
+    assert_close(out, expected, torch.float32)
+
+
+def test_decode_float_scales_and_empty_sequence():
+    # Scales given as Python floats; a zero-length sequence yields 0 (as the reference) on both paths.
+    query, args = _decode_case(20, [0, 300], 4, 2, 64, 16, torch.float32, "fp8_e4m3", False,
+                               scale_as_tensor=False)
+    expected = torch.empty_like(query)
+    reference.paged_attention_v1(expected, *args)
+    for fn in (_ops().paged_attention_v1, _ops().paged_attention):
+        out = nan_like(query)
+        fn(out, *args)
+        assert_close(out, expected, torch.float32)
+
+
+def test_split_plan():
+    from pagedllm.ops.triton.decode import split_plan
+    # Few (sequence, kv head) pairs and a long context: split; partitions are whole tiles covering it.
+    parts, tokens = split_plan(1, 8, 32768, 64, 132)
+    assert parts > 8 and tokens % 64 == 0 and parts * tokens >= 32768 > (parts - 1) * tokens
+    # Enough pairs to fill the GPU, or too short to be worth it: single pass.
+    assert split_plan(256, 8, 2048, 64, 132)[0] == 1
+    assert split_plan(4, 8, 200, 64, 132)[0] == 1
+
+
+@pytest.mark.parametrize("kv_cache_dtype,dtype,head_size,block_size",
+                         [("auto", torch.float16, 64, 16), ("auto", torch.float32, 80, 8),
+                          ("fp8_e4m3", torch.float16, 80, 16), ("fp8_e5m2", torch.float32, 64, 8)])
+def test_reshape_and_cache_matches_reference(kv_cache_dtype, dtype, head_size, block_size):
+    gen = torch.Generator().manual_seed(head_size + block_size)
+    num_tokens, num_kv_heads, num_blocks = 12, 2, 5
+    kshape, vshape, cdtype = reference.kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_size, dtype,
+                                                       kv_cache_dtype)
+    key = (4 * torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    scales = (1.0, 1.0)
+    if kv_cache_dtype != "auto":
+        # The interpreter's float->fp8 cast mis-rounds values that round up to a power of two (the GPU's
+        # cast is right; the GPU test covers rounding). Here: fp8-representable values, power-of-2 scales.
+        scales = (torch.tensor([0.0625]), torch.tensor([0.03125]))
+        f8 = reference.fp8_dtype(kv_cache_dtype)
+        fmax = torch.finfo(f8).max
+        key = (key.float() / scales[0]).clamp(-fmax, fmax).to(f8).float().mul(scales[0]).to(dtype)
+        value = (value.float() / scales[1]).clamp(-fmax, fmax).to(f8).float().mul(scales[1]).to(dtype)
+    key[0, 0, 0] = 1e4  # past the fp8 range: must saturate, not become NaN
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens - 2]
+    slots[3] = -1  # skipped; the last two tokens have no slot (padding)
+    caches = []
+    for impl in (reference, _ops()):
+        kc = torch.randint(0, 100, kshape, generator=torch.Generator().manual_seed(7)).to(cdtype)
+        vc = torch.randint(0, 100, vshape, generator=torch.Generator().manual_seed(8)).to(cdtype)
+        impl.reshape_and_cache(key, value, kc, vc, slots, kv_cache_dtype, *scales)
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+# (seed, [(context, new tokens)], heads, kv_heads, head_size, block_size, dtype, kv_cache_dtype, alibi)
+PREFILL_CASES = [
+    (0, [(0, 37), (0, 1), (0, 16)], 4, 4, 64, 16, torch.float32, "auto", False),  # plain prefill
+    (1, [(40, 23), (5, 1), (16, 50)], 8, 2, 80, 8, torch.float16, "auto", False),  # prefix hits / chunks
+    (2, [(0, 45), (33, 12)], 8, 2, 64, 8, torch.float32, "auto", True),
+    (3, [(24, 30), (0, 9)], 4, 1, 64, 16, torch.float16, "fp8_e4m3", True),
+    (4, [(7, 20), (64, 0), (1, 33)], 4, 4, 80, 16, torch.float32, "fp8_e5m2", False),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"seed{c[0]}")
+def test_prefill_matches_reference(case):
+    seed, parts, num_heads, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype, use_alibi = case
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in parts]
+    scales = (torch.tensor([0.05]), torch.tensor([0.04])) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    kc, vc, tables, lens, _, _ = make_caches(seq_lens, num_kv_heads, head_size, block_size, dtype,
+                                             kv_cache_dtype, "cpu", gen, *scales)
+    q_lens = [n for _, n in parts]
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    num_tokens = sum(q_lens) + 2  # two padding rows past the last sequence stay untouched
+    query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
+    slopes = alibi(num_heads, "cpu") if use_alibi else None
+    args = (query, kc, vc, num_kv_heads, head_size ** -0.5, tables, lens, qsl, max(q_lens), max(seq_lens),
+            slopes, kv_cache_dtype, *scales)
+    expected = nan_like(query)
+    reference.paged_prefill(expected, *args)
+    out = nan_like(query)
+    _ops().paged_prefill(out, *args)
+    assert torch.isnan(out[-2:]).all(), "padding rows past query_start_loc[-1] were written"
+    assert_close(out[:-2], expected[:-2], dtype)
