@@ -4,6 +4,12 @@ import json
 import os
 
 import pytest
+import torch
+
+# Without a GPU the suite runs every Triton kernel in the interpreter. triton.jit reads this when a kernel
+# module is first imported, so it is set before any test imports one (directly or through pagedllm.ops).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 MODEL = "smollm2-135m-instruct"
 

@@ -1,0 +1,86 @@
+"""The engine on the GPU against Hugging Face transformers on random-weight models.
+
+Dtypes and tolerances:
+- float32: our Triton kernels use IEEE fp32 dots for fp32 inputs and torch's fp32 matmuls do not use TF32 by
+  default, so greedy tokens must equal transformers' exactly, token for token.
+- bfloat16 (and bf16 with an fp8 KV cache): bf16 keeps 8 mantissa bits, so two correct implementations that
+  round in a different order drift apart and a near-tie between two tokens can flip, after which the texts
+  diverge. So each token we pick is checked teacher-forced against transformers' fp32 logits on our own
+  sequence: its logit must be within a small fraction of that row's spread of the best one (2% for bf16,
+  5% with fp8 K/V). A wrong kernel misses that by far (a random token sits ~50% of the spread below).
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+QWEN3_0_6B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024,
+                  intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, tie_word_embeddings=True)
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=5632,
+             num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+             max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama": LLAMA}
+PROMPT_LENS = (1, 7, 130, 1000, 2100)
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def hf_model_dir(request, tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = dict(SHAPES[request.param])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return path, model.to("cuda").eval()
+
+
+def prompts(vocab):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def ours(path, **options):
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(str(path), device="cuda", num_kv_blocks=2048, max_model_len=4096, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    vocab = llm.engine.hf_config.vocab_size
+    outs = llm.generate(prompts(vocab), params, use_tqdm=False)
+    assert llm.engine.kv_cache_manager.usage == 0.0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt):
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_TOKENS, do_sample=False,
+                         min_new_tokens=MAX_TOKENS)
+    return out[0, len(prompt):].tolist()
+
+
+def test_float32_greedy_equals_transformers(hf_model_dir):
+    path, model = hf_model_dir
+    got = ours(path, dtype="float32")
+    expected = [hf_greedy(model, p) for p in prompts(model.config.vocab_size)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("options,tolerance", [
+    (dict(dtype="bfloat16"), 0.02),
+    (dict(dtype="bfloat16", kv_cache_dtype="fp8"), 0.05),
+    (dict(dtype="float16", block_size=32, enable_prefix_caching=False), 0.02),
+])
+@torch.inference_mode()
+def test_half_precision_tokens_are_near_greedy(hf_model_dir, options, tolerance):
+    path, model = hf_model_dir
+    got = ours(path, **options)
+    for prompt, tokens in zip(prompts(model.config.vocab_size), got):
+        logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+        spread = logits.max(-1).values - logits.min(-1).values
+        gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        assert bool((gap <= tolerance * spread).all()), (gap / spread).max().item()
