@@ -1,0 +1,71 @@
+"""XAttention block-sparse prefill ops (antidiagonal block estimation + block-sparse flash attention).
+
+Public ops (semantics and block geometry in ``reference.py``):
+``flat_group_gemm_fuse_reshape``, ``softmax_fuse_block_sum`` (the seed's two estimation stages),
+``xattn_estimate`` (fused estimation + block selection), ``block_sparse_attention`` (dense K/V) and
+``xattention_paged_prefill`` (``paged_prefill``'s arguments plus threshold/stride/block_size).
+
+Backend per call: the Triton kernels for CUDA tensors, the PyTorch reference otherwise. The environment
+variable ``PAGEDLLM_OPS_BACKEND`` overrides it: "triton" runs the kernels on any device (on CPU under
+``TRITON_INTERPRET=1``, for tests), "reference" forces the reference. Triton is imported only when used.
+"""
+from __future__ import annotations
+
+import os
+
+from pagedllm.ops.xattention import reference
+
+__all__ = ["flat_group_gemm_fuse_reshape", "softmax_fuse_block_sum", "xattn_estimate", "block_sparse_attention",
+           "xattention_paged_prefill", "reference"]
+
+
+def _use_triton(tensor) -> bool:
+    env = os.environ.get("PAGEDLLM_OPS_BACKEND", "").strip().lower()
+    return env == "triton" or (env != "reference" and tensor.device.type == "cuda")
+
+
+def flat_group_gemm_fuse_reshape(query_states, key_states, stride, chunk_start, chunk_end, is_causal=True):
+    if _use_triton(query_states):
+        from pagedllm.ops.xattention.estimate import flat_group_gemm_fuse_reshape as fn
+    else:
+        fn = reference.flat_group_gemm_fuse_reshape
+    return fn(query_states, key_states, stride, chunk_start, chunk_end, is_causal)
+
+
+def softmax_fuse_block_sum(attn_weights_slice, reshaped_block_size, segment_size, chunk_start, chunk_end,
+                           real_q_len, scale, is_causal=True):
+    if _use_triton(attn_weights_slice):
+        from pagedllm.ops.xattention.estimate import softmax_fuse_block_sum as fn
+    else:
+        fn = reference.softmax_fuse_block_sum
+    return fn(attn_weights_slice, reshaped_block_size, segment_size, chunk_start, chunk_end, real_q_len,
+              scale, is_causal)
+
+
+def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True):
+    """``(block_mask, density)``; see ``reference.xattn_estimate``."""
+    if _use_triton(query):
+        from pagedllm.ops.xattention.estimate import xattn_estimate as fn
+    else:
+        fn = reference.xattn_estimate
+    return fn(query, key, block_size, stride, threshold, chunk_size, causal)
+
+
+def block_sparse_attention(q, k, v, block_mask, block_size=128, causal=True, scale=None):
+    if _use_triton(q):
+        from pagedllm.ops.xattention.sparse_attention import block_sparse_attention as fn
+    else:
+        fn = reference.block_sparse_attention
+    return fn(q, k, v, block_mask, block_size, causal, scale)
+
+
+def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+                             query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
+                             k_scale, v_scale, threshold=0.9, stride=8, block_size=128) -> None:
+    if _use_triton(query):
+        from pagedllm.ops.xattention.sparse_attention import xattention_paged_prefill as fn
+    else:
+        fn = reference.xattention_paged_prefill
+    fn(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, query_start_loc,
+       max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, threshold, stride,
+       block_size)
