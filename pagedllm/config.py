@@ -34,6 +34,12 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     attention_backend: str | None = None
+    # XAttention block-sparse prefill for prompts of at least xattn_min_prompt_len tokens (off by default).
+    sparse_prefill: str | None = None
+    xattn_threshold: float = 0.9
+    xattn_stride: int = 8
+    xattn_block_size: int = 128
+    xattn_min_prompt_len: int = 8192
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -60,6 +66,16 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.attention_backend not in (None, "reference", "triton", "cuda"):
             raise ValueError(f"attention_backend must be reference, triton or cuda, got {self.attention_backend!r}")
+
+        if self.sparse_prefill not in (None, "xattention"):
+            raise ValueError(f"sparse_prefill must be None or 'xattention', got {self.sparse_prefill!r}")
+        if not 0.0 < self.xattn_threshold <= 1.0:
+            raise ValueError(f"xattn_threshold must be in (0, 1], got {self.xattn_threshold}")
+        if self.xattn_stride < 1 or self.xattn_block_size < 1 or self.xattn_block_size % self.xattn_stride:
+            raise ValueError(f"xattn_block_size ({self.xattn_block_size}) must be a positive multiple of "
+                             f"xattn_stride ({self.xattn_stride})")
+        if self.xattn_min_prompt_len < 1:
+            raise ValueError(f"xattn_min_prompt_len must be >= 1, got {self.xattn_min_prompt_len}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

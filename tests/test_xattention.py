@@ -1,22 +1,26 @@
 """XAttention ops: Triton kernels (CPU interpreter) against the PyTorch references, the references against
 brute force / dense attention, and the paged prefill against ``pagedllm.ops.reference.paged_prefill``."""
 import math
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported: CPU tensors
+from pagedllm import ops
+from pagedllm.ops import reference as ops_ref
+from pagedllm.ops import xattention as xa
+from pagedllm.ops.xattention import reference as ref
 
-from pagedllm.ops import reference as ops_ref  # noqa: E402
-from pagedllm.ops import xattention as xa  # noqa: E402
-from pagedllm.ops.xattention import reference as ref  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def automatic_backend():
+    yield
+    ops.set_backend(None)
 
 
 @pytest.fixture
-def triton_backend(monkeypatch):
-    """Route the public ops to the Triton kernels (interpreted on CPU tensors)."""
-    monkeypatch.setenv("PAGEDLLM_OPS_BACKEND", "triton")
+def triton_backend():
+    """Route the public ops to the Triton kernels (interpreted on CPU tensors, see conftest)."""
+    ops.set_backend("triton")
 
 
 def _randn(*shape, dtype=torch.float16):
@@ -34,8 +38,8 @@ def _visible(q_len, k_len, causal):
 # The seed's two stages
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_flat_gemm_even_odd_example(backend, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_OPS_BACKEND", backend)
+def test_flat_gemm_even_odd_example(backend):
+    ops.set_backend(backend)
     q = torch.ones(1, 1, 512, 128, dtype=torch.float16)
     k = torch.ones(1, 1, 2048, 128, dtype=torch.float16)
     q[:, :, 1::2] = 2
@@ -46,8 +50,8 @@ def test_flat_gemm_even_odd_example(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_softmax_block_sum_uniform_example(backend, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_OPS_BACKEND", backend)
+def test_softmax_block_sum_uniform_example(backend):
+    ops.set_backend(backend)
     out = xa.softmax_fuse_block_sum(torch.ones(1, 1, 128, 512), 128, 128, 0, 128, 128, 1.0, is_causal=False)
     assert out.shape == (1, 1, 1, 4)
     assert torch.allclose(out, torch.full_like(out, 32.0))  # 128 rows x 128/512 of each row
@@ -204,8 +208,8 @@ def test_block_sparse_attention_triton_matches_reference(triton_backend, q_len, 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_full_mask_equals_dense_attention(backend, causal, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_OPS_BACKEND", backend)
+def test_full_mask_equals_dense_attention(backend, causal):
+    ops.set_backend(backend)
     torch.manual_seed(6)
     q_len, k_len, block = 150, 400, 64
     q = torch.randn(1, 4, q_len, 32)
@@ -259,8 +263,8 @@ _SEQS = [(300, 300), (120, 520), (200, 264), (5, 5)]
 @pytest.mark.parametrize("kv_cache_dtype,dtype", [("auto", torch.float16), ("fp8", torch.float16),
                                                   ("auto", torch.float32)])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_paged_threshold_one_equals_paged_prefill(backend, kv_cache_dtype, dtype, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_OPS_BACKEND", backend)
+def test_paged_threshold_one_equals_paged_prefill(backend, kv_cache_dtype, dtype):
+    ops.set_backend(backend)
     args = _paged_case(_SEQS, 4, 2, 64, 16, kv_cache_dtype, dtype, seed=7)
     out, want = torch.zeros_like(args[0]), torch.zeros_like(args[0])
     xa.xattention_paged_prefill(out, *args, threshold=1.0, stride=8, block_size=64)

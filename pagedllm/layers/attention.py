@@ -12,6 +12,15 @@ import torch
 from torch import nn
 
 from pagedllm import ops
+from pagedllm.ops import xattention
+
+
+@dataclass(frozen=True)
+class SparsePrefill:
+    """XAttention settings for a step whose prefills are long enough to pay for the estimate."""
+    threshold: float
+    stride: int
+    block_size: int
 
 
 @dataclass
@@ -30,6 +39,7 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None  # [num_prefills + 1], relative to the prefill part
     prefill_max_query_len: int
     prefill_max_seq_len: int
+    sparse_prefill: SparsePrefill | None = None
 
 
 _forward_context: AttentionMetadata | None = None
@@ -90,9 +100,14 @@ class Attention(nn.Module):
                                 meta.decode_max_seq_len, self.alibi_slopes, self.kv_cache_dtype,
                                 self.k_scale, self.v_scale)
         if nd < num_tokens:
-            ops.paged_prefill(out[nd:], q[nd:], self.key_cache, self.value_cache, self.num_kv_heads,
-                              self.scale, meta.prefill_block_tables, meta.prefill_seq_lens,
-                              meta.prefill_query_start_loc, meta.prefill_max_query_len,
-                              meta.prefill_max_seq_len, self.alibi_slopes, self.kv_cache_dtype,
-                              self.k_scale, self.v_scale)
+            args = (out[nd:], q[nd:], self.key_cache, self.value_cache, self.num_kv_heads, self.scale,
+                    meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
+                    meta.prefill_max_query_len, meta.prefill_max_seq_len, self.alibi_slopes,
+                    self.kv_cache_dtype, self.k_scale, self.v_scale)
+            sparse = meta.sparse_prefill
+            if sparse is None:
+                ops.paged_prefill(*args)
+            else:
+                xattention.xattention_paged_prefill(*args, threshold=sparse.threshold, stride=sparse.stride,
+                                                    block_size=sparse.block_size)
         return out.view(num_tokens, self.num_heads * self.head_size)

@@ -10,7 +10,7 @@ from pagedllm import ops
 from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pagedllm.layers.attention import Attention, AttentionMetadata, set_forward_context
+from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput
 
 
@@ -26,6 +26,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.sampler = Sampler(self.device, config.seed)
+        self.sparse_prefill = None
+        if config.sparse_prefill == "xattention":
+            self.sparse_prefill = SparsePrefill(config.xattn_threshold, config.xattn_stride,
+                                                config.xattn_block_size)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_size = head_size_of(hf_config)
@@ -98,6 +102,8 @@ class ModelRunner:
                 query_start.append(query_start[-1] + it.num_new_tokens)
         d, p = slice(0, num_decodes), slice(num_decodes, len(items))
         has_prefill = num_decodes < len(items)
+        prefill_max_seq_len = max(seq_lens[p], default=0)
+        long_prefill = prefill_max_seq_len >= self.config.xattn_min_prompt_len
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=num_decodes,
@@ -108,7 +114,8 @@ class ModelRunner:
             prefill_seq_lens=self._tensor(seq_lens[p], torch.int32) if has_prefill else None,
             prefill_query_start_loc=self._tensor(query_start, torch.int32) if has_prefill else None,
             prefill_max_query_len=max((it.num_new_tokens for it in items[p]), default=0),
-            prefill_max_seq_len=max(seq_lens[p], default=0),
+            prefill_max_seq_len=prefill_max_seq_len,
+            sparse_prefill=self.sparse_prefill if long_prefill else None,
         )
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
                 self._tensor(logits_indices, torch.int64))

@@ -5,14 +5,13 @@ Public ops (semantics and block geometry in ``reference.py``):
 ``xattn_estimate`` (fused estimation + block selection), ``block_sparse_attention`` (dense K/V) and
 ``xattention_paged_prefill`` (``paged_prefill``'s arguments plus threshold/stride/block_size).
 
-Backend per call: the Triton kernels for CUDA tensors, the PyTorch reference otherwise. The environment
-variable ``PAGEDLLM_OPS_BACKEND`` overrides it: "triton" runs the kernels on any device (on CPU under
-``TRITON_INTERPRET=1``, for tests), "reference" forces the reference. Triton is imported only when used.
+Backend per call, the same choice as every other op in ``pagedllm.ops``: the reference backend runs the
+PyTorch references, any other (Triton, CUDA) runs the Triton kernels; ``PAGEDLLM_OPS_BACKEND=triton`` runs
+them on CPU tensors too (under ``TRITON_INTERPRET=1``, for tests). Triton is imported only when used.
 """
 from __future__ import annotations
 
-import os
-
+from pagedllm import ops as _ops
 from pagedllm.ops.xattention import reference
 
 __all__ = ["flat_group_gemm_fuse_reshape", "softmax_fuse_block_sum", "xattn_estimate", "block_sparse_attention",
@@ -20,8 +19,7 @@ __all__ = ["flat_group_gemm_fuse_reshape", "softmax_fuse_block_sum", "xattn_esti
 
 
 def _use_triton(tensor) -> bool:
-    env = os.environ.get("PAGEDLLM_OPS_BACKEND", "").strip().lower()
-    return env == "triton" or (env != "reference" and tensor.device.type == "cuda")
+    return _ops.get_backend(tensor.device) is not _ops.reference
 
 
 def flat_group_gemm_fuse_reshape(query_states, key_states, stride, chunk_start, chunk_end, is_causal=True):
