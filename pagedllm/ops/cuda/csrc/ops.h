@@ -1,0 +1,47 @@
+// The CUDA implementations behind the `pagedllm::` torch operators (schemas in registration.cpp).
+// Argument order and meaning follow vLLM's _custom_ops; see pagedllm/ops/reference.py for semantics.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace pagedllm {
+
+void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                        int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                        const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                        const at::Tensor& v_scale, int64_t tp_rank, int64_t blocksparse_local_blocks,
+                        int64_t blocksparse_vert_stride, int64_t blocksparse_block_size,
+                        int64_t blocksparse_head_sliding_step);
+
+// vLLM's v2: split-K over partitions of 512 tokens, then the reduce kernel.
+void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits, at::Tensor& tmp_out,
+                        const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                        const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+                        const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t tp_rank,
+                        int64_t blocksparse_local_blocks, int64_t blocksparse_vert_stride,
+                        int64_t blocksparse_block_size, int64_t blocksparse_head_sliding_step);
+
+// v2 with a chosen partition size (a multiple of 16 tokens) and a float32 or activation-typed tmp_out:
+// what the engine's decode uses when it splits, and what the benchmarks sweep.
+void paged_attention_split(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
+                           at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                           int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                           const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                           const at::Tensor& v_scale, int64_t partition_size);
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                       const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                       const at::Tensor& v_scale);
+
+}  // namespace pagedllm
