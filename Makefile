@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test gpu-check
+.PHONY: demo test gpu-check cuda-check
 
 # --system-site-packages keeps a machine's own (e.g. CUDA) torch; torch==2.13.0 only when none is present.
 $(STAMP): pyproject.toml Makefile
@@ -25,3 +25,7 @@ test: $(STAMP)
 # On the GPU machine: GPU tests + kernel benchmarks with the machine's own python3.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# Compiles every CUDA C++ source with nvcc for sm_90a; needs no GPU (CI runs it where nvcc exists).
+cuda-check: $(STAMP)
+	$(PY) scripts/cuda_check.py

@@ -1,5 +1,5 @@
-"""Kernel benchmarks on CUDA: paged decode (our Triton v1 / v2 / auto beside dense SDPA) in achieved TB/s of
-K+V bytes, and paged prefill in TFLOP/s (with and without a cached prefix) beside dense causal SDPA.
+"""Kernel benchmarks on CUDA: paged decode (our Triton v1 / v2 / auto and our CUDA C++ auto, beside dense SDPA)
+in achieved TB/s of K+V bytes, and paged prefill in TFLOP/s (with and without a cached prefix) beside dense causal SDPA.
 bf16, head 128, block 16, random block tables. Prints a markdown table; writes JSON to --out.
 
     python benchmarks/kernels.py [--out benchmarks/results/]
@@ -46,7 +46,18 @@ def _paged_cache(batch, context, kv_heads, gen):
     return kc, vc, tables
 
 
-def bench_decode(heads, kv_heads, batch, context, gen):
+def _load_cuda_ops():
+    """Our CUDA C++ ops, or None (printed why) when they cannot be built here."""
+    try:
+        from pagedllm.ops import cuda
+        cuda.load()
+        return cuda
+    except ImportError as e:
+        print(f"CUDA C++ ops unavailable, no CUDA column: {e}", flush=True)
+        return None
+
+
+def bench_decode(heads, kv_heads, batch, context, gen, cuda_ops):
     kc, vc, tables = _paged_cache(batch, context, kv_heads, gen)
     q = torch.randn(batch, heads, HEAD, device="cuda", dtype=DTYPE, generator=gen)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
@@ -60,6 +71,8 @@ def bench_decode(heads, kv_heads, batch, context, gen):
         "v2": _time_graph_ms(lambda: ops.paged_attention_v2(out, *ws, *args)),
         "auto": _time_graph_ms(lambda: ops.paged_attention(out, *args)),
     }
+    if cuda_ops is not None:
+        times["cuda"] = _time_graph_ms(lambda: cuda_ops.paged_attention(out, *args))
     del kc, vc
     k = torch.randn(batch, kv_heads, context, HEAD, device="cuda", dtype=DTYPE, generator=gen)
     v = torch.randn_like(k)
@@ -99,13 +112,15 @@ def main():
                         help="JSON file, or a directory to write kernels_<date>.json into")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    cuda_ops = _load_cuda_ops()
     decode = []
-    print("| decode shape (q/kv heads, batch x context) | v1 TB/s | v2 TB/s | auto TB/s | dense SDPA TB/s |"
-          " auto us |\n|---|---|---|---|---|---|", flush=True)
+    print("| decode shape (q/kv heads, batch x context) | Triton v1 TB/s | Triton v2 TB/s | Triton auto TB/s |"
+          " CUDA auto TB/s | dense SDPA TB/s | Triton auto us |\n|---|---|---|---|---|---|---|", flush=True)
     for shape in DECODE_SHAPES:
-        r = bench_decode(*shape, gen)
+        r = bench_decode(*shape, gen, cuda_ops)
         decode.append(r)
-        print(f"| {r['shape']} | {r['v1_tbps']:.2f} | {r['v2_tbps']:.2f} | {r['auto_tbps']:.2f} | "
+        cuda = f"{r['cuda_tbps']:.2f}" if "cuda_tbps" in r else "-"
+        print(f"| {r['shape']} | {r['v1_tbps']:.2f} | {r['v2_tbps']:.2f} | {r['auto_tbps']:.2f} | {cuda} | "
               f"{r['sdpa_tbps']:.2f} | {1000 * r['auto_ms']:.1f} |", flush=True)
         torch.cuda.empty_cache()
     prefill = []

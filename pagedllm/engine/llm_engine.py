@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ class _Parent:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        ops.set_backend(config.attention_backend)
+        ops.set_backend(_attention_backend(config))
         torch.manual_seed(config.seed)
         self.dtype = config.torch_dtype(_checkpoint_dtype(resolve_model(config.model)))
         self.model, self.hf_config, model_dir = load_model(config.model, self.dtype, config.device,
@@ -182,6 +183,19 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
         }
+
+
+def _attention_backend(config: EngineConfig) -> str | None:
+    """The CUDA C++ ops are built on first use; when that cannot work here, say why and use Triton."""
+    if config.attention_backend != "cuda":
+        return config.attention_backend
+    from pagedllm.ops import cuda
+    try:
+        cuda.load(torch.device(config.device))
+    except ImportError as e:
+        warnings.warn(f"attention_backend='cuda' unavailable, using Triton instead: {e}", RuntimeWarning)
+        return "triton"
+    return "cuda"
 
 
 def _checkpoint_dtype(model_dir) -> torch.dtype | None:
