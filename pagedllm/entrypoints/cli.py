@@ -1,4 +1,4 @@
-"""Command line: `pagedllm generate ...` (also `python -m pagedllm`)."""
+"""Command line: `pagedllm generate|serve|bench ...` (also `python -m pagedllm`)."""
 from __future__ import annotations
 
 import argparse
@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+    from pagedllm.entrypoints.bench import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

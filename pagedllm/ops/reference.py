@@ -403,19 +403,13 @@ def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, blo
                        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale)
 
 
-def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-                  query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
-                  k_scale, v_scale):
-    """Causal attention of a varlen batch of new tokens over the paged cache.
-
-    Sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` (q_len_i tokens), which
-    sit at positions ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``; their K/V are already cached. The
-    query at position p attends to cache positions 0..p. Rows past ``query_start_loc[-1]`` (padding)
-    are left untouched. Covers plain prefill, chunked prefill and prefix-cache hits."""
+def check_prefill_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                       query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype):
+    """Validate paged-prefill arguments; returns ``((num_blocks, num_kv_heads, head_size, block_size,
+    num_heads), query_start_loc, q_lens, seq_lens)`` with the last three as Python lists."""
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    nb, hkv, head_size, bs, num_heads = _check_attention_args(
-        out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, None,
-        alibi_slopes, kv_cache_dtype, num_seqs)
+    dims = _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                                 None, alibi_slopes, kv_cache_dtype, num_seqs)
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
     qsl = [int(v) for v in query_start_loc.tolist()]
@@ -428,7 +422,23 @@ def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block
         raise ValueError("a sequence has more new tokens than its seq_len (seq_lens include the new tokens)")
     if max(q_lens, default=0) > max_query_len:
         raise ValueError(f"a sequence has {max(q_lens)} new tokens, more than max_query_len={max_query_len}")
-    _check_lens(lens, max_seq_len, block_tables, bs)
+    _check_lens(lens, max_seq_len, block_tables, dims[3])
+    return dims, qsl, q_lens, lens
+
+
+def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+                  query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
+                  k_scale, v_scale):
+    """Causal attention of a varlen batch of new tokens over the paged cache.
+
+    Sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` (q_len_i tokens), which
+    sit at positions ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``; their K/V are already cached. The
+    query at position p attends to cache positions 0..p. Rows past ``query_start_loc[-1]`` (padding)
+    are left untouched. Covers plain prefill, chunked prefill and prefix-cache hits."""
+    (nb, hkv, head_size, bs, num_heads), qsl, q_lens, lens = check_prefill_args(
+        out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, query_start_loc,
+        max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype)
+    num_seqs = len(lens)
     dev, cdt, group = query.device, _compute_dtype(query), num_heads // hkv
     slopes = alibi_slopes.to(cdt).view(hkv, group, 1, 1) if alibi_slopes is not None else None
     for i in range(num_seqs):

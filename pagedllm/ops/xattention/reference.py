@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops.reference import _check_attention_args, _check_lens, dequantize_kv
+from pagedllm.ops.reference import check_prefill_args, dequantize_kv
 
 LOG2E = 1.4426950408889634
 _CHUNK_ELEMS = 1 << 24  # bound on the logits materialized at once by block_sparse_attention
@@ -265,24 +265,12 @@ def prefill_plan(out, query, key_cache, value_cache, num_kv_heads, block_tables,
                  max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype):
     """Validate paged-prefill arguments (as ``pagedllm.ops.paged_prefill`` defines them); return the
     ``(seq, query_start, q_len, seq_len)`` of each sequence that has new tokens."""
-    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, None,
-                          alibi_slopes, kv_cache_dtype, num_seqs)
     if alibi_slopes is not None:
         raise ValueError("XAttention prefill does not support ALiBi; use paged_prefill")
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1:
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
-    qsl = [int(x) for x in query_start_loc.tolist()]
-    lens = [int(x) for x in seq_lens.tolist()]
-    q_lens = [e - s for s, e in zip(qsl, qsl[1:])]
-    if qsl[0] != 0 or min(q_lens, default=0) < 0 or qsl[-1] > query.shape[0]:
-        raise ValueError(f"query_start_loc must start at 0, not decrease and end at most at "
-                         f"{query.shape[0]} (the query rows); got {qsl}")
-    if any(ql > sl for ql, sl in zip(q_lens, lens)):
-        raise ValueError("a sequence has more new tokens than its seq_len (seq_lens include the new tokens)")
-    if max(q_lens, default=0) > max_query_len:
-        raise ValueError(f"a sequence has {max(q_lens)} new tokens, more than max_query_len={max_query_len}")
-    _check_lens(lens, max_seq_len, block_tables, key_cache.shape[3])
+    _, qsl, q_lens, lens = check_prefill_args(out, query, key_cache, value_cache, num_kv_heads, block_tables,
+                                              seq_lens, query_start_loc, max_query_len, max_seq_len,
+                                              alibi_slopes, kv_cache_dtype)
+    num_seqs = len(lens)
     return [(i, qsl[i], q_lens[i], lens[i]) for i in range(num_seqs) if q_lens[i] > 0]
 
 
