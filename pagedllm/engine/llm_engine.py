@@ -201,7 +201,8 @@ def _attention_backend(config: EngineConfig) -> str | None:
 def _checkpoint_dtype(model_dir) -> torch.dtype | None:
     from transformers import AutoConfig
     hf_config = AutoConfig.from_pretrained(model_dir)
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 5 names it dtype (reading torch_dtype warns); 4.x only has torch_dtype.
+    dtype = hf_config.dtype if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
