@@ -34,6 +34,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     attention_backend: str | None = None
+    # Decode steps on the GPU replay CUDA graphs unless this is set.
+    enforce_eager: bool = False
     # XAttention block-sparse prefill for prompts of at least xattn_min_prompt_len tokens (off by default).
     sparse_prefill: str | None = None
     xattn_threshold: float = 0.9

@@ -12,6 +12,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput
+from pagedllm.worker.cuda_graph import DecodeGraphs
 
 
 def head_size_of(hf_config) -> int:
@@ -36,6 +37,13 @@ class ModelRunner:
         self.hf_config = hf_config
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self._allocate_kv_cache()
+        self.graphs = None
+        # The reference ops read lengths on the host, which a graph cannot replay.
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and ops.get_backend(self.device) is not ops.reference):
+            self.graphs = DecodeGraphs(model, self.device, config.max_num_seqs, config.max_model_len,
+                                       self.block_size)
+            self.graphs.capture()
 
     def _cache_shapes(self, num_blocks: int):
         return ops.kv_cache_shapes(num_blocks, self.block_size, self.num_kv_heads, self.head_size,
@@ -128,8 +136,12 @@ class ModelRunner:
         if not items:
             return [], None
         input_ids, positions, meta, logits_indices = self.prepare(items, block_ids_of)
-        with set_forward_context(meta):
-            hidden = self.model(input_ids, positions)
+        num_tokens = input_ids.shape[0]
+        if self.graphs is not None and meta.num_decode_tokens == num_tokens and self.graphs.fits(num_tokens):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            with set_forward_context(meta):
+                hidden = self.model(input_ids, positions)
         sampling = [it.request for it in items if it.num_computed_tokens + it.num_new_tokens == it.request.num_tokens]
         if not sampling:
             return [], None

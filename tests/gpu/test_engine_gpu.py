@@ -48,7 +48,8 @@ def prompts(vocab):
 
 def ours(path, **options):
     from pagedllm import LLM, SamplingParams
-    llm = LLM(str(path), device="cuda", num_kv_blocks=2048, max_model_len=4096, **options)
+    llm = LLM(str(path), device="cuda", num_kv_blocks=2048, max_model_len=4096, max_num_seqs=8, **options)
+    assert (llm.engine.runner.graphs is None) == options.get("enforce_eager", False)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     vocab = llm.engine.hf_config.vocab_size
     outs = llm.generate(prompts(vocab), params, use_tqdm=False)
@@ -68,6 +69,12 @@ def test_float32_greedy_equals_transformers(hf_model_dir):
     got = ours(path, dtype="float32")
     expected = [hf_greedy(model, p) for p in prompts(model.config.vocab_size)]
     assert got == expected
+
+
+def test_cuda_graphs_equal_eager(hf_model_dir):
+    """Graph replays pad the batch and plan decode for max_model_len: the same tokens must come out."""
+    path, _ = hf_model_dir
+    assert ours(path, dtype="float32") == ours(path, dtype="float32", enforce_eager=True)
 
 
 @pytest.mark.parametrize("options,tolerance", [
