@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from pagedllm.config import EngineConfig
@@ -71,8 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    from pagedllm.entrypoints.openai.server import add_serve_args
-    add_serve_args(serve)
+    serve.add_argument("model", nargs="?", default="smollm2-135m-instruct",
+                       help="HF directory, .gguf file, or the alias smollm2-135m-instruct")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="model name in the API (default: MODEL)")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="answer 503 while this many requests wait to be scheduled")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     from pagedllm.entrypoints.bench import add_bench_parser

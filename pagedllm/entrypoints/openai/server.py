@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -166,19 +165,6 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 # ---- command line ---------------------------------------------------------------------------------------
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default="smollm2-135m-instruct",
-                        help="HF directory, .gguf file, or the alias smollm2-135m-instruct")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY)")
-    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: MODEL)")
-    parser.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="answer 503 while this many requests wait to be scheduled")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> None:
     import uvicorn
 
