@@ -1,0 +1,125 @@
+"""Offline throughput: a batch of random-token requests through LLM.generate, beside its roofline estimate
+(roofline.py) and optionally beside Hugging Face transformers on a subset of the same prompts.
+
+The default workload is the one nano-vllm publishes: 256 requests, prompt and output lengths each uniform in
+[100, 1024], random token ids in [0, 10000], ignore_eos, max_model_len 4096, seed 0; greedy here."""
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import torch
+
+from pagedllm.bench import hf_baseline
+from pagedllm.bench.shapes import model_dir_for
+from pagedllm.bench.roofline import (describe, device_name, estimate_throughput, measure_rates, model_cost_of,
+                                     synchronize)
+from pagedllm.sampling_params import SamplingParams
+
+
+def make_workload(num_requests: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                  vocab_size: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    high = min(vocab_size - 1, 10000)
+    prompts = [[rng.randint(0, high) for _ in range(rng.randint(*input_range))] for _ in range(num_requests)]
+    output_lens = [rng.randint(*output_range) for _ in range(num_requests)]
+    return prompts, output_lens
+
+
+def run_ours(llm, prompts: list[list[int]], output_lens: list[int], use_tqdm: bool) -> dict:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    device = llm.engine.config.device
+    # Each timed run starts from an empty prefix cache: none gets an earlier run's prompts for free.
+    llm.engine.kv_cache_manager.reset_prefix_cache()
+    synchronize(device)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    synchronize(device)
+    elapsed = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"elapsed_s": elapsed, "num_requests": len(prompts), "input_tokens": sum(map(len, prompts)),
+            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs), "output_tokens": generated, "requests_per_s": len(prompts) / elapsed,
+            "output_tok_s": generated / elapsed,
+            "total_tok_s": (sum(map(len, prompts)) + generated) / elapsed}
+
+
+def run_throughput(model: str, engine_options: dict, num_requests: int, input_range: tuple[int, int],
+                   output_range: tuple[int, int], use_tqdm: bool, hf_subset: tuple[int, int, int] | None) -> dict:
+    """hf_subset = (num_requests, output_len, generate batch size) runs the HF baseline on the first
+    num_requests prompts, each producing output_len tokens, and ours on the same subset."""
+    from pagedllm import LLM
+
+    # Only this function holds the engine, so it can free the engine's memory before transformers runs.
+    model_dir = model_dir_for(model)
+    llm = LLM(model_dir, **engine_options)
+    engine = llm.engine
+    seed = engine.config.seed
+    prompts, output_lens = make_workload(num_requests, input_range, output_range, engine.hf_config.vocab_size,
+                                         seed)
+    device, dtype = engine.config.device, engine.dtype
+    rates = measure_rates(device, dtype)
+    estimate = estimate_throughput(model_cost_of(engine), rates, list(map(len, prompts)), output_lens,
+                                   engine.config.max_num_seqs)
+    # Warm-up: kernel compilation and first-call allocations stay out of the timed run.
+    llm.generate([[0] * 32], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ours = run_ours(llm, prompts, output_lens, use_tqdm)
+    result = {
+        "device": device_name(device), "model": model, "model_dir": model_dir,
+        "dtype": str(dtype).removeprefix("torch."),
+        "engine": {k: v for k, v in vars(engine.config).items() if isinstance(v, (int, float, str, type(None)))},
+        "workload": {"num_requests": num_requests, "input_len": list(input_range),
+                     "output_len": list(output_range), "seed": seed, "greedy": True, "ignore_eos": True},
+        "ours": ours, "roofline": estimate,
+        "fraction_of_roofline": ours["output_tok_s"] / estimate["output_tok_s"],
+    }
+    if hf_subset is not None:
+        count, output_len, batch_size = hf_subset
+        subset = prompts[:count]
+        ours_subset = run_ours(llm, subset, [output_len] * len(subset), use_tqdm)
+        del engine, llm
+        _release_device_memory(device)
+        hf_model = hf_baseline.load_hf_model(model_dir, dtype, device, seed)
+        hf_gen = hf_baseline.hf_generate(hf_model, subset, output_len, batch_size, use_tqdm)
+        hf_cb = hf_baseline.hf_continuous_batching(hf_model, subset, output_len, use_tqdm)
+        result["baseline"] = {
+            "subset": {"num_requests": len(subset), "input_tokens": sum(map(len, subset)),
+                       "output_len": output_len},
+            "ours": ours_subset, "hf_generate": hf_gen, "hf_continuous_batching": hf_cb,
+            "speedup_vs_hf_generate": ours_subset["output_tok_s"] / hf_gen["output_tok_s"],
+            "speedup_vs_hf_continuous_batching": ours_subset["output_tok_s"] / hf_cb["output_tok_s"],
+        }
+    return result
+
+
+def _release_device_memory(device: str) -> None:
+    # Our KV pool takes most of a GPU's memory; transformers needs it back.
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def format_report(r: dict) -> str:
+    w, ours = r["workload"], r["ours"]
+    lines = [
+        f"device {r['device']}, model {r['model']}, {r['dtype']}, max_num_seqs {r['engine']['max_num_seqs']}",
+        f"workload: {w['num_requests']} requests, prompt {w['input_len'][0]}-{w['input_len'][1]} tokens, output "
+        f"{w['output_len'][0]}-{w['output_len'][1]} tokens (uniform, seed {w['seed']}), greedy, ignore_eos",
+        f"pagedllm: {ours['elapsed_s']:.2f} s, {ours['requests_per_s']:.2f} requests/s, "
+        f"{ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s",
+        describe(r["roofline"]),
+        f"pagedllm reaches {r['fraction_of_roofline']:.1%} of the roofline's output tok/s",
+    ]
+    if "baseline" in r:
+        b = r["baseline"]
+        s = b["subset"]
+        lines += [
+            f"baseline subset (same for all three): the first {s['num_requests']} prompts ({s['input_tokens']} "
+            f"tokens), {s['output_len']} output tokens each; transformers uses its own random weights",
+            f"  pagedllm                          {b['ours']['output_tok_s']:10.1f} output tok/s",
+            f"  HF generate (batch {b['hf_generate']['batch_size']}, left pad)  "
+            f"{b['hf_generate']['output_tok_s']:10.1f} output tok/s   speed-up {b['speedup_vs_hf_generate']:.2f}x",
+            f"  HF continuous batching            {b['hf_continuous_batching']['output_tok_s']:10.1f} output tok/s"
+            f"   speed-up {b['speedup_vs_hf_continuous_batching']:.2f}x (its time includes its warm-up)",
+        ]
+    return "\n".join(lines)
