@@ -102,7 +102,7 @@ class ModelRunner:
             input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            if end == req.num_tokens:
+            if it.sample:
                 logits_indices.append(len(input_ids) - 1)
             tables.append(block_ids[:math.ceil(end / bs)])
             seq_lens.append(end)
@@ -142,7 +142,7 @@ class ModelRunner:
         else:
             with set_forward_context(meta):
                 hidden = self.model(input_ids, positions)
-        sampling = [it.request for it in items if it.num_computed_tokens + it.num_new_tokens == it.request.num_tokens]
+        sampling = [it.request for it in items if it.sample]
         if not sampling:
             return [], None
         logits = self.model.compute_logits(hidden[logits_indices])
