@@ -28,4 +28,4 @@ gpu-check:
 
 # Compiles every CUDA C++ source with nvcc for sm_90a; needs no GPU (CI runs it where nvcc exists).
 cuda-check: $(STAMP)
-	$(PY) scripts/cuda_check.py
+	$(PY) -m pagedllm.ops.cuda --check

@@ -9,7 +9,7 @@ processes load the cached library with ``torch.ops.load_library`` without compil
     python -m pagedllm.ops.cuda            # every visible GPU's architecture
     python -m pagedllm.ops.cuda --check    # compile-check only (no GPU or CUDA torch needed)
 
-``--check`` (what ``make cuda-check`` runs, via scripts/cuda_check.py) compiles every source with nvcc for
+``--check`` (what ``make cuda-check`` runs) compiles every source with nvcc for
 ``sm_90a`` on any machine with nvcc and torch's headers, one shape per kernel template for speed.
 
 When the library cannot be had (CPU-only torch, no GPU, no nvcc or ninja, a failed compile)
