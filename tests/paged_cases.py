@@ -15,14 +15,14 @@ FP8_NAN_BITS = 0x7F  # a NaN in both e4m3fn and e5m2
 
 
 def make_caches(seq_lens, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype, device, gen,
-                k_scale=1.0, v_scale=1.0, spare_blocks=3):
+                k_scale=1.0, v_scale=1.0, spare_blocks=3, layout="vllm"):
     """Return (key_cache, value_cache, block_tables int32, seq_lens int32, keys, values), where keys/values
-    [sum(seq_lens), kv_heads, head_size] are the cached tokens in sequence order."""
+    [sum(seq_lens), kv_heads, head_size] are the cached tokens in sequence order; caches in ``layout``."""
     blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     max_blocks = max(max(blocks_per_seq), 1) + 2
     kshape, vshape, cdtype = reference.kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_size, dtype,
-                                                       kv_cache_dtype)
+                                                       kv_cache_dtype, layout)
     key_cache = torch.empty(kshape, dtype=cdtype, device=device)
     value_cache = torch.empty(vshape, dtype=cdtype, device=device)
     poison = FP8_NAN_BITS if cdtype == torch.uint8 else float("nan")

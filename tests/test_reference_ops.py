@@ -487,11 +487,45 @@ def test_layout_helpers():
         (3, 2, 5, 8, 16), (3, 2, 80, 8), torch.uint8)
     assert ops.kv_cache_shapes(3, 8, 2, 64, torch.float32, "auto") == ref.kv_cache_shapes(
         3, 8, 2, 64, torch.float32, "auto")
+    assert ref.kv_cache_shapes(3, 8, 2, 80, torch.bfloat16, "fp8", "hnd") == (
+        (3, 2, 8, 80), (3, 2, 8, 80), torch.uint8)
+    with pytest.raises(ValueError, match="layout"):
+        ref.kv_cache_shapes(3, 8, 2, 80, torch.bfloat16, "auto", "nhd")
     x = torch.randn(100) * 0.1
     q = ref.quantize_kv(x, "fp8_e4m3", torch.tensor([0.01]))
     assert q.dtype == torch.uint8
     torch.testing.assert_close(ref.dequantize_kv(q, "fp8_e4m3", 0.01), x, atol=1e-3, rtol=0.07)
     assert ref.quantize_kv(x, "auto", 1.0, torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_hnd_layout_holds_the_same_cache(kv_dtype):
+    # The same tokens written into both layouts read back identically, and attention over them agrees.
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, 40, 2, 64, generator=gen)
+    slots = torch.randperm(6 * 8, generator=gen)[:40]
+    caches = {}
+    for layout in ref.KV_CACHE_LAYOUTS:
+        kshape, vshape, cdt = ref.kv_cache_shapes(6, 8, 2, 64, torch.float32, kv_dtype, layout)
+        kc, vc = torch.zeros(kshape, dtype=cdt), torch.zeros(vshape, dtype=cdt)
+        ref.reshape_and_cache(key, value, kc, vc, slots, kv_dtype, 0.05, 0.05)
+        caches[layout] = (kc, vc)
+    for a, b in zip(caches["vllm"], ref.as_vllm_layout(*caches["hnd"])):
+        assert torch.equal(a, b)
+    # Token t of the hnd cache sits at [block, head, offset, :], as the layout promises.
+    blk, off = slots[5] // 8, slots[5] % 8
+    expected = ref.dequantize_kv(ref.quantize_kv(value[5], kv_dtype, 0.05, caches["hnd"][1].dtype), kv_dtype,
+                                 0.05)
+    torch.testing.assert_close(ref.dequantize_kv(caches["hnd"][1][blk, :, off], kv_dtype, 0.05), expected)
+    query = torch.randn(1, 4, 64, generator=gen)
+    table = torch.arange(6, dtype=torch.int32)[None]
+    outs = []
+    for layout in ref.KV_CACHE_LAYOUTS:
+        out = torch.empty_like(query)
+        ref.paged_attention_v1(out, query, *caches[layout], 2, 0.125, table, torch.tensor([37], dtype=torch.int32),
+                               8, 37, None, kv_dtype, 0.05, 0.05)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
 def _decode_call(case, **over):

@@ -19,13 +19,13 @@ def _ops():
 
 
 def _decode_case(seed, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype,
-                 use_alibi, scale_as_tensor=True):
+                 use_alibi, scale_as_tensor=True, layout="vllm"):
     gen = torch.Generator().manual_seed(seed)
     k_scale, v_scale = (0.05, 0.04) if kv_cache_dtype != "auto" else (1.0, 1.0)
     if scale_as_tensor:
         k_scale, v_scale = torch.tensor([k_scale]), torch.tensor([v_scale])
     kc, vc, tables, lens, _, _ = make_caches(seq_lens, num_kv_heads, head_size, block_size, dtype,
-                                             kv_cache_dtype, "cpu", gen, k_scale, v_scale)
+                                             kv_cache_dtype, "cpu", gen, k_scale, v_scale, layout=layout)
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dtype)
     slopes = alibi(num_heads, "cpu") if use_alibi else None
     args = (query, kc, vc, num_kv_heads, head_size ** -0.5, tables, lens, block_size, max(seq_lens), slopes,
@@ -44,11 +44,12 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"seed{c[0]}")
 @pytest.mark.parametrize("kernel", ["v1", "v2", "auto"])
-def test_decode_matches_reference(case, kernel):
+def test_decode_matches_reference(case, kernel, layout):
     dtype = case[6]
-    query, args = _decode_case(*case)
+    query, args = _decode_case(*case, layout=layout)
     expected = torch.empty_like(query)
     reference.paged_attention_v1(expected, *args)
     out = nan_like(query)
@@ -88,7 +89,8 @@ def _run_v2_and_check_workspace(ops, out, query, args, sparse=()):
 @pytest.mark.parametrize("step", [0, 1, -2])
 def test_decode_block_sparse(kernel, step):
     # 8 query heads over 2 kv heads; sparse blocks of 32 tokens over pages of 8; lengths past 512 for v2.
-    query, args = _decode_case(10 + step, [200, 577, 33], 8, 2, 64, 8, torch.float32, "auto", step == 1)
+    query, args = _decode_case(10 + step, [200, 577, 33], 8, 2, 64, 8, torch.float32, "auto", step == 1,
+                               layout=reference.KV_CACHE_LAYOUTS[step % 2])
     sparse = (0, 2, 3, 32, step)  # tp_rank, local_blocks, vert_stride, block_size, head_sliding_step
     expected = torch.empty_like(query)
     reference.paged_attention_v1(expected, *args, *sparse)
@@ -122,14 +124,15 @@ def test_split_plan():
     assert split_plan(4, 8, 200, 64, 132)[0] == 1
 
 
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("kv_cache_dtype,dtype,head_size,block_size",
                          [("auto", torch.float16, 64, 16), ("auto", torch.float32, 80, 8),
                           ("fp8_e4m3", torch.float16, 80, 16), ("fp8_e5m2", torch.float32, 64, 8)])
-def test_reshape_and_cache_matches_reference(kv_cache_dtype, dtype, head_size, block_size):
+def test_reshape_and_cache_matches_reference(kv_cache_dtype, dtype, head_size, block_size, layout):
     gen = torch.Generator().manual_seed(head_size + block_size)
     num_tokens, num_kv_heads, num_blocks = 12, 2, 5
     kshape, vshape, cdtype = reference.kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_size, dtype,
-                                                       kv_cache_dtype)
+                                                       kv_cache_dtype, layout)
     key = (4 * torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)).to(dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
     scales = (1.0, 1.0)
@@ -163,14 +166,15 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"seed{c[0]}")
-def test_prefill_matches_reference(case):
+def test_prefill_matches_reference(case, layout):
     seed, parts, num_heads, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype, use_alibi = case
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in parts]
     scales = (torch.tensor([0.05]), torch.tensor([0.04])) if kv_cache_dtype != "auto" else (1.0, 1.0)
     kc, vc, tables, lens, _, _ = make_caches(seq_lens, num_kv_heads, head_size, block_size, dtype,
-                                             kv_cache_dtype, "cpu", gen, *scales)
+                                             kv_cache_dtype, "cpu", gen, *scales, layout=layout)
     q_lens = [n for _, n in parts]
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     num_tokens = sum(q_lens) + 2  # two padding rows past the last sequence stay untouched

@@ -226,14 +226,14 @@ def test_full_mask_equals_dense_attention(backend, causal):
 # ----------------------------------------------------------------------------------------------------
 # Paged prefill
 # ----------------------------------------------------------------------------------------------------
-def _paged_case(seqs, num_heads, num_kv_heads, head_size, page, kv_cache_dtype, dtype, seed):
+def _paged_case(seqs, num_heads, num_kv_heads, head_size, page, kv_cache_dtype, dtype, seed, layout="vllm"):
     """Caches holding each sequence's whole context (scattered over shuffled blocks) and the query rows of
     its new tokens. ``seqs`` lists (new tokens, context length incl. new tokens)."""
     torch.manual_seed(seed)
     pages = [-(-sl // page) for _, sl in seqs]
     num_blocks = sum(pages) + 3
     k_shape, v_shape, cache_dtype = ops_ref.kv_cache_shapes(num_blocks, page, num_kv_heads, head_size, dtype,
-                                                            kv_cache_dtype)
+                                                            kv_cache_dtype, layout)
     # unwritten slots hold NaN (0x7F is NaN in e4m3 too): the kernels must never let them leak in
     nan = 0x7F if cache_dtype == torch.uint8 else float("nan")
     key_cache, value_cache = torch.full(k_shape, nan, dtype=cache_dtype), torch.full(v_shape, nan, dtype=cache_dtype)
@@ -262,10 +262,10 @@ _SEQS = [(300, 300), (120, 520), (200, 264), (5, 5)]
 
 @pytest.mark.parametrize("kv_cache_dtype,dtype", [("auto", torch.float16), ("fp8", torch.float16),
                                                   ("auto", torch.float32)])
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_paged_threshold_one_equals_paged_prefill(backend, kv_cache_dtype, dtype):
+@pytest.mark.parametrize("backend,layout", [("reference", "vllm"), ("triton", "vllm"), ("triton", "hnd")])
+def test_paged_threshold_one_equals_paged_prefill(backend, layout, kv_cache_dtype, dtype):
     ops.set_backend(backend)
-    args = _paged_case(_SEQS, 4, 2, 64, 16, kv_cache_dtype, dtype, seed=7)
+    args = _paged_case(_SEQS, 4, 2, 64, 16, kv_cache_dtype, dtype, seed=7, layout=layout)
     out, want = torch.zeros_like(args[0]), torch.zeros_like(args[0])
     xa.xattention_paged_prefill(out, *args, threshold=1.0, stride=8, block_size=64)
     ops_ref.paged_prefill(want, *args)
@@ -273,8 +273,9 @@ def test_paged_threshold_one_equals_paged_prefill(backend, kv_cache_dtype, dtype
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
 
 
-def test_paged_triton_matches_reference(triton_backend):
-    args = _paged_case([(256, 256), (130, 400)], 4, 1, 64, 16, "auto", torch.float16, seed=8)
+@pytest.mark.parametrize("layout", ops_ref.KV_CACHE_LAYOUTS)
+def test_paged_triton_matches_reference(triton_backend, layout):
+    args = _paged_case([(256, 256), (130, 400)], 4, 1, 64, 16, "auto", torch.float16, seed=8, layout=layout)
     out, want = torch.zeros_like(args[0]), torch.zeros_like(args[0])
     thr = torch.tensor([0.5, 0.7, 0.8, 0.9])
     xa.xattention_paged_prefill(out, *args, threshold=thr, stride=4, block_size=32)

@@ -81,6 +81,7 @@ class Attention(nn.Module):
     def bind_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor, kv_cache_dtype: str,
                    k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
         self.key_cache, self.value_cache = key_cache, value_cache
+        self.block_size = ops.reference.as_vllm_layout(key_cache, value_cache)[1].shape[-1]  # either layout
         self.kv_cache_dtype, self.k_scale, self.v_scale = kv_cache_dtype, k_scale, v_scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -93,10 +94,9 @@ class Attention(nn.Module):
                               self.kv_cache_dtype, self.k_scale, self.v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
-        block_size = self.value_cache.shape[-1]
         if nd > 0:
             ops.paged_attention(out[:nd], q[:nd], self.key_cache, self.value_cache, self.num_kv_heads,
-                                self.scale, meta.decode_block_tables, meta.decode_seq_lens, block_size,
+                                self.scale, meta.decode_block_tables, meta.decode_seq_lens, self.block_size,
                                 meta.decode_max_seq_len, self.alibi_slopes, self.kv_cache_dtype,
                                 self.k_scale, self.v_scale)
         if nd < num_tokens:

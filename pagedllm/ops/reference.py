@@ -1,10 +1,15 @@
 """Pure-PyTorch reference attention ops: the oracle every fast kernel is tested against.
 
 Runs on any device (it is also the CPU backend of the engine). Argument order and meaning follow vLLM's
-``_custom_ops`` (seeds 001 and 004). Cache layout (declared once, in :func:`kv_cache_shapes`):
+``_custom_ops`` (seeds 001 and 004). Cache layouts (declared once, in :func:`kv_cache_shapes`):
 
-* key_cache   ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``, x = 16 bytes / element size
-* value_cache ``[num_blocks, num_kv_heads, head_size, block_size]``
+* "vllm" (the seeds'; this backend's and the CUDA backend's own):
+  key_cache ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``, x = 16 bytes / element size,
+  value_cache ``[num_blocks, num_kv_heads, head_size, block_size]``;
+* "hnd" (the Triton backend's own): both ``[num_blocks, num_kv_heads, block_size, head_size]``, so a
+  page of one head is one dense run of rows, what Triton's tiled loads and tensor-core operands want.
+
+Every op here accepts either (told apart by the key cache's rank) through :func:`as_vllm_layout` views.
 
 Token ``t`` of a sequence lives in physical block ``block_table[t // block_size]`` at offset
 ``t % block_size``; a slot is ``block * block_size + offset``. With an fp8 ``kv_cache_dtype`` the caches
@@ -23,6 +28,7 @@ import torch
 
 PARTITION_SIZE = 512  # tokens per split-K partition of paged_attention_v2
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_LAYOUTS = ("vllm", "hnd")
 _FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _AUTO_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CHUNK_ELEMS = 1 << 24  # bound on the padded K (or V, or logits) elements gathered at once
@@ -51,10 +57,13 @@ def cache_x(cache_dtype: torch.dtype) -> int:
 
 
 def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                    dtype: torch.dtype, kv_cache_dtype: str):
-    """``(key_cache_shape, value_cache_shape, cache_torch_dtype)`` of the paged KV cache of one layer.
+                    dtype: torch.dtype, kv_cache_dtype: str, layout: str = "vllm"):
+    """``(key_cache_shape, value_cache_shape, cache_torch_dtype)`` of the paged KV cache of one layer in
+    ``layout`` ("vllm" or "hnd", see the module doc).
 
     ``dtype`` is the model dtype; the cache holds it for "auto" and uint8 (float8 bits) for fp8."""
+    if layout not in KV_CACHE_LAYOUTS:
+        raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {KV_CACHE_LAYOUTS}")
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                     ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
         if not isinstance(v, int) or v <= 0:
@@ -69,8 +78,26 @@ def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_si
     if head_size % x:
         raise ValueError(f"head_size {head_size} is not divisible by x={x} "
                          f"(16 bytes of {cache_dtype}, kv_cache_dtype {kv_cache_dtype!r})")
+    if layout == "hnd":
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        return shape, shape, cache_dtype
     return ((num_blocks, num_kv_heads, head_size // x, block_size, x),
             (num_blocks, num_kv_heads, head_size, block_size), cache_dtype)
+
+
+def as_vllm_layout(key_cache: torch.Tensor, value_cache: torch.Tensor):
+    """The cache pair as "vllm"-layout tensors: itself, or views of an "hnd" pair (a 4-D key cache)."""
+    if key_cache.dim() != 4:
+        return key_cache, value_cache
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"an 'hnd' key_cache {tuple(key_cache.shape)} needs a value_cache of the same "
+                         f"shape, got {tuple(value_cache.shape)}")
+    nb, hkv, bs, head_size = key_cache.shape
+    x = cache_x(key_cache.dtype)
+    if head_size % x or key_cache.stride(-1) != 1:
+        raise ValueError(f"an 'hnd' key_cache needs a dense head_size dim divisible by x={x}, got shape "
+                         f"{tuple(key_cache.shape)} strides {key_cache.stride()}")
+    return (key_cache.unflatten(-1, (head_size // x, x)).transpose(2, 3), value_cache.transpose(2, 3))
 
 
 def _scale_value(scale, device):
@@ -112,8 +139,9 @@ def dequantize_kv(c: torch.Tensor, kv_cache_dtype: str, scale, dtype: torch.dtyp
 # Validation and gathering
 # ----------------------------------------------------------------------------------------------------
 def _check_caches(key_cache, value_cache, kv_cache_dtype):
-    """Validate the cache pair; return (num_blocks, num_kv_heads, head_size, block_size)."""
+    """Validate the cache pair (either layout); return (num_blocks, num_kv_heads, head_size, block_size)."""
     f8 = fp8_dtype(kv_cache_dtype)
+    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
     if key_cache.dim() != 5 or value_cache.dim() != 4:
         raise ValueError("key_cache must be [num_blocks, num_kv_heads, head_size/x, block_size, x] and "
                          "value_cache [num_blocks, num_kv_heads, head_size, block_size]; got shapes "
@@ -288,6 +316,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     """Write ``key``/``value`` [num_tokens, num_kv_heads, head_size] into the paged caches at
     ``slot_mapping`` [n] (n <= num_tokens: extra trailing tokens, e.g. CUDA-graph padding, are
     ignored); slot -1 is skipped."""
+    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
     nb, hkv, head_size, bs = _check_caches(key_cache, value_cache, kv_cache_dtype)
     if key.dim() != 3 or tuple(key.shape[1:]) != (hkv, head_size) or key.shape != value.shape:
         raise ValueError(f"key and value must both be [num_tokens, {hkv}, {head_size}], got "
@@ -320,6 +349,7 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
                        blocksparse_block_size=64, blocksparse_head_sliding_step=0):
     """Single-pass decode attention: one query token per sequence, attending to its ``seq_len``
     cached tokens through ``block_tables``. Writes ``out`` [num_seqs, num_heads, head_size] in place."""
+    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
     _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                           block_size, alibi_slopes, kv_cache_dtype, query.shape[0])
     sparse = _sparse_args(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
@@ -348,6 +378,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     attended token (past the sequence's end, or fully masked by block-sparsity) gets max_logits=-inf,
     exp_sums=0, tmp_out=0. (vLLM's kernel leaves such entries unwritten or arbitrary: kernel tests
     should compare only partitions that hold an attended token.)"""
+    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
     num_seqs, num_heads, head_size = query.shape
     _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                           block_size, alibi_slopes, kv_cache_dtype, num_seqs)
@@ -435,6 +466,7 @@ def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block
     sit at positions ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``; their K/V are already cached. The
     query at position p attends to cache positions 0..p. Rows past ``query_start_loc[-1]`` (padding)
     are left untouched. Covers plain prefill, chunked prefill and prefix-cache hits."""
+    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
     (nb, hkv, head_size, bs, num_heads), qsl, q_lens, lens = check_prefill_args(
         out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, query_start_loc,
         max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype)

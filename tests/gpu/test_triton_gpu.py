@@ -1,7 +1,8 @@
 """The Triton kernels against pagedllm.ops.reference on CUDA over the full parameter grid: head sizes
 64/80/96/112/128/256, GQA 1/4/8, block sizes 8/16/32, bf16 and fp16, fp16/bf16/fp8 caches, ALiBi,
 block-sparse, ragged lengths up to 32K. Outputs are NaN-poisoned; caches are poisoned outside the
-sequences (see tests/paged_cases.py). Skipped as a whole without CUDA."""
+sequences (see tests/paged_cases.py). Every kernel test runs on both cache layouts ("vllm" and the
+engine's "hnd"). Skipped as a whole without CUDA."""
 import itertools
 import sys
 from pathlib import Path
@@ -19,11 +20,11 @@ from pagedllm.ops import reference  # noqa: E402
 from paged_cases import alibi, assert_close, make_caches, nan_like  # noqa: E402
 
 DEV = "cuda"
-# dtype x cache kind x ALiBi rotate over the (head, GQA, block) grid so every value meets every other
-# axis without compiling the full product.
+# dtype x cache kind x ALiBi, and the cache layout (switching every len(VARIANTS) cases), rotate over the
+# (head, GQA, block) grid so every value meets every other axis without compiling the full product.
 VARIANTS = [(torch.bfloat16, "auto", False), (torch.float16, "auto", True), (torch.bfloat16, "fp8_e4m3", True),
             (torch.float16, "fp8_e5m2", False), (torch.float16, "fp8", False), (torch.bfloat16, "auto", True)]
-GRID = [(h, g, b, *VARIANTS[i % len(VARIANTS)])
+GRID = [(h, g, b, *VARIANTS[i % len(VARIANTS)], reference.KV_CACHE_LAYOUTS[i // len(VARIANTS) % 2])
         for i, (h, g, b) in enumerate(itertools.product([64, 80, 96, 112, 128, 256], [1, 4, 8], [8, 16, 32]))]
 
 
@@ -33,11 +34,12 @@ def _scales(kv_cache_dtype):
     return torch.tensor([0.05], device=DEV), torch.tensor([0.04], device=DEV)
 
 
-def _decode_args(seed, seq_lens, group, head_size, block_size, dtype, kv_cache_dtype, use_alibi, kv_heads=2):
+def _decode_args(seed, seq_lens, group, head_size, block_size, dtype, kv_cache_dtype, use_alibi, layout,
+                 kv_heads=2):
     gen = torch.Generator().manual_seed(seed)
     scales = _scales(kv_cache_dtype)
     kc, vc, tables, lens, _, _ = make_caches(seq_lens, kv_heads, head_size, block_size, dtype, kv_cache_dtype,
-                                             DEV, gen, *scales)
+                                             DEV, gen, *scales, layout=layout)
     heads = kv_heads * group
     query = torch.randn(len(seq_lens), heads, head_size, generator=gen).to(DEV, dtype)
     return query, (query, kc, vc, kv_heads, head_size ** -0.5, tables, lens, block_size, max(seq_lens),
@@ -62,46 +64,52 @@ def _check_decode(query, args, dtype, sparse=()):
         assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("head_size,group,block_size,dtype,kv_cache_dtype,use_alibi", GRID)
-def test_decode(head_size, group, block_size, dtype, kv_cache_dtype, use_alibi):
+@pytest.mark.parametrize("head_size,group,block_size,dtype,kv_cache_dtype,use_alibi,layout", GRID)
+def test_decode(head_size, group, block_size, dtype, kv_cache_dtype, use_alibi, layout):
     lens = [1, block_size, block_size + 1, 511, 513, 2999]
     query, args = _decode_args(head_size * group + block_size, lens, group, head_size, block_size, dtype,
-                               kv_cache_dtype, use_alibi)
+                               kv_cache_dtype, use_alibi, layout)
     _check_decode(query, args, dtype)
 
 
 @pytest.mark.parametrize("head_size,group,dtype,kv_cache_dtype",
                          [(128, 4, torch.bfloat16, "auto"), (128, 8, torch.float16, "fp8_e4m3"),
                           (64, 1, torch.bfloat16, "auto"), (256, 4, torch.bfloat16, "fp8_e5m2")])
-def test_decode_long_context(head_size, group, dtype, kv_cache_dtype):
-    query, args = _decode_args(7, [32768, 1, 20000, 4097], group, head_size, 16, dtype, kv_cache_dtype, False)
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
+def test_decode_long_context(head_size, group, dtype, kv_cache_dtype, layout):
+    query, args = _decode_args(7, [32768, 1, 20000, 4097], group, head_size, 16, dtype, kv_cache_dtype, False,
+                               layout)
     _check_decode(query, args, dtype)
 
 
 @pytest.mark.parametrize("block_size,sparse_block,step", [(16, 64, 0), (8, 32, 1), (32, 64, -1), (16, 16, 2)])
-def test_decode_block_sparse(block_size, sparse_block, step):
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
+def test_decode_block_sparse(block_size, sparse_block, step, layout):
     query, args = _decode_args(step + 3, [3000, 1, 700, 64], 4, 128, block_size, torch.bfloat16, "auto", False,
-                               kv_heads=4)
+                               layout, kv_heads=4)
     _check_decode(query, args, torch.bfloat16, sparse=(1, 2, 4, sparse_block, step))
 
 
-@pytest.mark.parametrize("head_size,group,block_size,dtype,kv_cache_dtype,use_alibi", GRID)
-def test_prefill(head_size, group, block_size, dtype, kv_cache_dtype, use_alibi):
+@pytest.mark.parametrize("head_size,group,block_size,dtype,kv_cache_dtype,use_alibi,layout", GRID)
+def test_prefill(head_size, group, block_size, dtype, kv_cache_dtype, use_alibi, layout):
     parts = [(0, 300), (257, 1), (1000, 129), (0, 1), (block_size, 2 * block_size + 3)]  # (cached, new)
-    _check_prefill(head_size * 7 + group, parts, group, head_size, block_size, dtype, kv_cache_dtype, use_alibi)
+    _check_prefill(head_size * 7 + group, parts, group, head_size, block_size, dtype, kv_cache_dtype, use_alibi,
+                   layout)
 
 
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("cached,new", [(0, 8192), (16384, 4096), (30000, 2768)])
-def test_prefill_long(cached, new):
-    _check_prefill(cached + new, [(cached, new), (5, 300)], 4, 128, 16, torch.bfloat16, "auto", False)
+def test_prefill_long(cached, new, layout):
+    _check_prefill(cached + new, [(cached, new), (5, 300)], 4, 128, 16, torch.bfloat16, "auto", False, layout)
 
 
-def _check_prefill(seed, parts, group, head_size, block_size, dtype, kv_cache_dtype, use_alibi, kv_heads=2):
+def _check_prefill(seed, parts, group, head_size, block_size, dtype, kv_cache_dtype, use_alibi, layout,
+                   kv_heads=2):
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in parts]
     scales = _scales(kv_cache_dtype)
     kc, vc, tables, lens, _, _ = make_caches(seq_lens, kv_heads, head_size, block_size, dtype, kv_cache_dtype,
-                                             DEV, gen, *scales)
+                                             DEV, gen, *scales, layout=layout)
     q_lens = [n for _, n in parts]
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(DEV, torch.int32)
     heads = kv_heads * group
@@ -115,14 +123,15 @@ def _check_prefill(seed, parts, group, head_size, block_size, dtype, kv_cache_dt
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.bfloat16, "auto"), (torch.float16, "auto"),
                                                   (torch.bfloat16, "fp8_e4m3"), (torch.float16, "fp8_e5m2")])
-def test_reshape_and_cache(head_size, dtype, kv_cache_dtype):
+def test_reshape_and_cache(head_size, dtype, kv_cache_dtype, layout):
     gen = torch.Generator(device=DEV).manual_seed(head_size)
     num_tokens, kv_heads, num_blocks, block_size = 300, 4, 40, 16
     kshape, vshape, cdtype = reference.kv_cache_shapes(num_blocks, block_size, kv_heads, head_size, dtype,
-                                                       kv_cache_dtype)
+                                                       kv_cache_dtype, layout)
     key = (3 * torch.randn(num_tokens, kv_heads, head_size, generator=gen, device=DEV)).to(dtype)
     value = torch.randn(num_tokens, kv_heads, head_size, generator=gen, device=DEV).to(dtype)
     key[0, 0, :4] = 1e4  # saturates for fp8

@@ -83,11 +83,12 @@ def test_full_mask_equals_sdpa(n):
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def _paged(seqs, kv_cache_dtype, page=16, seed=4):
+def _paged(seqs, kv_cache_dtype, page=16, seed=4, layout="vllm"):
     """Paged caches holding each (new tokens, context length) sequence's whole context; the query rows."""
     torch.manual_seed(seed)
     pages = [-(-sl // page) for _, sl in seqs]
-    k_shape, v_shape, cdt = ops_ref.kv_cache_shapes(sum(pages), page, HKV, D, torch.bfloat16, kv_cache_dtype)
+    k_shape, v_shape, cdt = ops_ref.kv_cache_shapes(sum(pages), page, HKV, D, torch.bfloat16, kv_cache_dtype,
+                                                   layout)
     key_cache = torch.zeros(k_shape, dtype=cdt, device="cuda")
     value_cache = torch.zeros(v_shape, dtype=cdt, device="cuda")
     tables = torch.zeros(len(seqs), max(pages), dtype=torch.int32, device="cuda")
@@ -112,9 +113,10 @@ def _paged(seqs, kv_cache_dtype, page=16, seed=4):
 _SEQS = [(16384, 16384), (4096, 16384), (6000, 8000)]
 
 
+@pytest.mark.parametrize("layout", ops_ref.KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_paged_threshold_one_equals_paged_prefill(kv_cache_dtype):
-    args = _paged(_SEQS, kv_cache_dtype)
+def test_paged_threshold_one_equals_paged_prefill(kv_cache_dtype, layout):
+    args = _paged(_SEQS, kv_cache_dtype, layout=layout)
     out, want = torch.empty_like(args[0]), torch.empty_like(args[0])
     xa.xattention_paged_prefill(out, *args, threshold=1.0)
     ops_ref.paged_prefill(want, *args)
@@ -124,8 +126,9 @@ def test_paged_threshold_one_equals_paged_prefill(kv_cache_dtype):
 def test_paged_sparse_matches_dense_sparse():
     """At threshold 0.9 the paged op equals block-sparse attention over the gathered K/V with the mask the
     estimate picks for them."""
-    args = _paged(_SEQS[1:], "auto")
-    query, key_cache, value_cache, tables, qsl = args[0], args[1], args[2], args[5], args[7].tolist()
+    args = _paged(_SEQS[1:], "auto", layout="hnd")
+    query, tables, qsl = args[0], args[5], args[7].tolist()
+    key_cache, value_cache = ops_ref.as_vllm_layout(args[1], args[2])
     out = torch.empty_like(query)
     xa.xattention_paged_prefill(out, *args, threshold=0.9)
     for i, (q_len, seq_len) in enumerate(_SEQS[1:]):

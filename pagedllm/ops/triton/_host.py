@@ -45,11 +45,20 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def check_cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """The kernels assume the two innermost dims of each cache are dense (they vectorise along them)."""
+def cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor):
+    """(LAYOUT, BLOCK_SIZE, X) of a cache pair for the kernels' `cache_offsets`: LAYOUT 0 is vLLM's
+    K [blocks, heads, D/x, block_size, x] / V [blocks, heads, D, block_size], 1 is "hnd" (both
+    [blocks, heads, block_size, D]). The kernels vectorise along the innermost dims, so those must be dense;
+    the outer dims are read through the caches' first three strides."""
+    if key_cache.dim() == 4:
+        if value_cache.shape != key_cache.shape or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+            raise ValueError("'hnd' caches must both be [blocks, kv_heads, block_size, head_size] with a dense "
+                             f"head_size dim; got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+        return 1, key_cache.shape[2], 1
     x = key_cache.shape[-1]
     if key_cache.stride(-1) != 1 or key_cache.stride(-2) != x:
         raise ValueError("key_cache must be dense in its [block_size, x] dims")
     bs = value_cache.shape[-1]
     if value_cache.stride(-1) != 1 or any(st % bs for st in value_cache.stride()[:-1]):
         raise ValueError("value_cache must be dense in its block_size dim with block-aligned outer strides")
+    return 0, bs, x

@@ -1,11 +1,11 @@
 """reshape_and_cache: scatter new keys/values [num_tokens, num_kv_heads, head_size] into the paged caches
-(key [blocks, kv_heads, head_size/x, block_size, x], value [blocks, kv_heads, head_size, block_size]),
-quantising to fp8 bits of x/scale when the cache is fp8. Grid: (num_slots, num_kv_heads)."""
+(either layout of `_host.cache_layout`), quantising to fp8 bits of x/scale when the cache is fp8.
+Grid: (num_slots, num_kv_heads)."""
 import triton
 import triton.language as tl
 
 from . import _host
-from .paged_tile import load_scale
+from .paged_tile import cache_offsets, load_scale
 
 
 @triton.jit
@@ -27,9 +27,9 @@ def _store_quantized(ptr, x, scale, mask, FP8: tl.constexpr):
 def _reshape_and_cache_kernel(
     key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kch, stride_kcx, stride_vcb, stride_vch, stride_vcd,
+    stride_kcb, stride_kch, stride_kc2, stride_vcb, stride_vch, stride_vc2,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr,
-    FP8: tl.constexpr, SCALE_PTR: tl.constexpr,
+    LAYOUT: tl.constexpr, FP8: tl.constexpr, SCALE_PTR: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -47,14 +47,14 @@ def _reshape_and_cache_kernel(
     if FP8 != 0:
         k_scale_val = load_scale(k_scale, SCALE_PTR)
         v_scale_val = load_scale(v_scale, SCALE_PTR)
-    k_ptr = key_cache + block * stride_kcb + head * stride_kch + (d // X) * stride_kcx + offset * X + d % X
-    v_ptr = value_cache + block * stride_vcb + head * stride_vch + d * stride_vcd + offset
+    k_ptr = key_cache + cache_offsets(block, offset, d, head, stride_kcb, stride_kch, stride_kc2, X, LAYOUT, True)
+    v_ptr = value_cache + cache_offsets(block, offset, d, head, stride_vcb, stride_vch, stride_vc2, X, LAYOUT, False)
     _store_quantized(k_ptr, k, k_scale_val, d_ok, FP8)
     _store_quantized(v_ptr, v, v_scale_val, d_ok, FP8)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
-    _host.check_cache_layout(key_cache, value_cache)
+    layout, block_size, x = _host.cache_layout(key_cache, value_cache)
     num_slots = slot_mapping.shape[0]  # may be shorter than key (trailing padding tokens are ignored)
     if num_slots == 0:
         return
@@ -65,6 +65,6 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        HEAD_SIZE=head_size, HEAD_PAD=_host.pow2_at_least(head_size, 16), BLOCK_SIZE=value_cache.shape[-1],
-        X=key_cache.shape[-1], FP8=_host.fp8_kind(kv_cache_dtype), SCALE_PTR=scale_ptr, num_warps=1,
+        HEAD_SIZE=head_size, HEAD_PAD=_host.pow2_at_least(head_size, 16), BLOCK_SIZE=block_size,
+        X=x, LAYOUT=layout, FP8=_host.fp8_kind(kv_cache_dtype), SCALE_PTR=scale_ptr, num_warps=1,
     )

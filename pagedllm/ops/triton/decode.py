@@ -26,10 +26,11 @@ def _decode_kernel(
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_ms, stride_mh,  # part_max / part_sum [seqs, heads, parts]
     stride_ts, stride_th, stride_tp,  # part_out [seqs, heads, parts, head_size]
-    stride_bt, stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_vd,
+    stride_bt, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
     tp_rank, num_heads, num_kv_heads, sparse_local, sparse_vert, sparse_block, sparse_step,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+    FP8: tl.constexpr,
     SCALE_PTR: tl.constexpr, ALIBI: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -85,16 +86,16 @@ def _decode_kernel(
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
             k_cache, v_cache, block_table, kv_head,
-            stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_vd,
+            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
             sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, FP8, False, SPARSE, ALIBI, DOT_PREC)
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, False, SPARSE, ALIBI, DOT_PREC)
     for start_n in range(masked_from, end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
             k_cache, v_cache, block_table, kv_head,
-            stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_vd,
+            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
             sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, FP8, True, SPARSE, ALIBI, DOT_PREC)
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, True, SPARSE, ALIBI, DOT_PREC)
 
     o = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
@@ -154,7 +155,7 @@ def _config(query: torch.Tensor, head_pad: int, block_size: int):
 def _launch(out, partials, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
             block_size, alibi_slopes, kv_cache_dtype, k_scale, v_scale, num_parts, part_tokens, block_n,
             num_warps, num_stages, tp_rank=0, sparse_local=0, sparse_vert=0, sparse_block=64, sparse_step=0):
-    _host.check_cache_layout(key_cache, value_cache)
+    layout, block_size, x = _host.cache_layout(key_cache, value_cache)
     num_seqs, num_heads, head_size = query.shape
     group = num_heads // num_kv_heads
     k_scale, v_scale, scale_ptr = _host.scale_args(k_scale, v_scale)
@@ -174,7 +175,7 @@ def _launch(out, partials, query, key_cache, value_cache, num_kv_heads, scale, b
         tp_rank, num_heads, num_kv_heads, sparse_local, sparse_vert, sparse_block, sparse_step,
         GROUP=group, GROUP_PAD=_host.pow2_at_least(group, 16), HEAD_SIZE=head_size,
         HEAD_PAD=_host.pow2_at_least(head_size, 16), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        X=key_cache.shape[-1], FP8=_host.fp8_kind(kv_cache_dtype), SCALE_PTR=scale_ptr,
+        X=x, LAYOUT=layout, FP8=_host.fp8_kind(kv_cache_dtype), SCALE_PTR=scale_ptr,
         ALIBI=alibi_slopes is not None, SPARSE=sparse_vert > 1, SPLIT=split,
         DOT_PREC=_host.dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
     )

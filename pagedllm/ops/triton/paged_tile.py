@@ -22,6 +22,20 @@ def load_scale(scale, IS_PTR: tl.constexpr):
 
 
 @triton.jit
+def cache_offsets(page, slot, d, kv_head, stride_b, stride_h, stride_2, X: tl.constexpr, LAYOUT: tl.constexpr,
+                  IS_KEY: tl.constexpr):
+    """Element offsets of (page, slot in page, channel d) of one kv head, broadcasting the three; the layout
+    codes and strides come from `_host.cache_layout` (stride_2: the third dim's stride)."""
+    base = page * stride_b + kv_head * stride_h
+    if LAYOUT == 1:  # [blocks, heads, block_size, D]: rows of D channels
+        return base + slot * stride_2 + d
+    elif IS_KEY:  # vLLM [blocks, heads, D/X, block_size, X]: 16-byte runs along D
+        return base + (d // X) * stride_2 + slot * X + d % X
+    else:  # vLLM [blocks, heads, D, block_size]: runs of block_size tokens
+        return base + d * stride_2 + slot
+
+
+@triton.jit
 def _to_compute(x, DTYPE: tl.constexpr, FP8: tl.constexpr):
     # fp8 caches hold raw bits in uint8; the scale is folded into the logits / output by the caller.
     if FP8 == 1:
@@ -39,11 +53,11 @@ def attend_tile(
     alibi,                       # [M] ALiBi slope * log2(e) per row (ignored unless ALIBI)
     qk_scale,                    # softmax scale * log2(e) (* k_scale for fp8)
     k_cache, v_cache, block_table, kv_head,
-    stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_vd,
+    stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
     sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,  # [M] offsets + scalars (SPARSE)
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    X: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr, SPARSE: tl.constexpr, ALIBI: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    X: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr, SPARSE: tl.constexpr,
+    ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -63,13 +77,15 @@ def attend_tile(
         page_ok = page_ok & (tl.max(keep.to(tl.int32), axis=0) > 0)
     page = tl.load(block_table + page_idx, mask=page_ok, other=0).to(tl.int64)
 
-    # K tile [D, N] from [blocks, kv_heads, D/X, BLOCK_SIZE, X]: 16-byte runs along D.
-    k_off = page[None, :] * stride_kb + kv_head * stride_kh + (offs_d[:, None] // X) * stride_kx \
-        + slot[None, :] * X + (offs_d[:, None] % X)
-    # V tile [N, D] from [blocks, kv_heads, D, BLOCK_SIZE]: runs of BLOCK_SIZE tokens are contiguous, which
-    # the compiler cannot see through the gathered page numbers, hence the hints.
-    v_off = page[:, None] * stride_vb + kv_head * stride_vh + offs_d[None, :] * stride_vd + slot[:, None]
-    v_off = tl.max_contiguous(tl.multiple_of(v_off, [BLOCK_SIZE, 1]), [BLOCK_SIZE, 1])
+    # K as [D, N] and V as [N, D], the operand shapes of the two dots.
+    k_off = cache_offsets(page[None, :], slot[None, :], offs_d[:, None], kv_head, stride_kb, stride_kh, stride_k2,
+                          X, LAYOUT, True)
+    v_off = cache_offsets(page[:, None], slot[:, None], offs_d[None, :], kv_head, stride_vb, stride_vh, stride_v2,
+                          X, LAYOUT, False)
+    if LAYOUT == 0:
+        # vLLM's V pages hold runs of BLOCK_SIZE contiguous tokens, which the compiler cannot see through
+        # the gathered page numbers.
+        v_off = tl.max_contiguous(tl.multiple_of(v_off, [BLOCK_SIZE, 1]), [BLOCK_SIZE, 1])
     k = tl.load(k_cache + k_off, mask=d_ok[:, None] & page_ok[None, :], other=0.0)
     v = tl.load(v_cache + v_off, mask=page_ok[:, None] & d_ok[None, :], other=0.0)
     k = _to_compute(k, q.dtype, FP8)

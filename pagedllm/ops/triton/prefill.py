@@ -20,10 +20,10 @@ def _prefill_kernel(
     out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, k_scale, v_scale,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_bt, stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_vd,
+    stride_bt, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
-    FP8: tl.constexpr, SCALE_PTR: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
+    LAYOUT: tl.constexpr, FP8: tl.constexpr, SCALE_PTR: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -68,16 +68,16 @@ def _prefill_kernel(
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
             k_cache, v_cache, block_table, kv_head,
-            stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_vd,
+            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
             no_sparse, 0, 0, 1, 1,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, FP8, False, False, ALIBI, DOT_PREC)
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, False, False, ALIBI, DOT_PREC)
     for start_n in range(masked_from, end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
             k_cache, v_cache, block_table, kv_head,
-            stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_vd,
+            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
             no_sparse, 0, 0, 1, 1,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, FP8, True, False, ALIBI, DOT_PREC)
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, True, False, ALIBI, DOT_PREC)
 
     o = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -96,14 +96,15 @@ def _config(query: torch.Tensor, head_pad: int, group: int, block_size: int):
 
 
 def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-                  query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale):
-    _host.check_cache_layout(key_cache, value_cache)
+                  query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                  config=None):
+    """``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `_config`'s (for sweeps)."""
+    layout, block_size, x = _host.cache_layout(key_cache, value_cache)
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     head_pad = _host.pow2_at_least(head_size, 16)
-    block_size = value_cache.shape[-1]
-    block_m, block_n, warps, stages = _config(query, head_pad, group, block_size)
+    block_m, block_n, warps, stages = config or _config(query, head_pad, group, block_size)
     tokens = block_m // group
     k_scale, v_scale, scale_ptr = _host.scale_args(k_scale, v_scale)
     grid = (num_kv_heads, num_seqs, triton.cdiv(max_query_len, tokens))
@@ -114,7 +115,7 @@ def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block
         block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         GROUP=group, TOKENS=tokens, BLOCK_M=block_m, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, X=key_cache.shape[-1], FP8=_host.fp8_kind(kv_cache_dtype),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, X=x, LAYOUT=layout, FP8=_host.fp8_kind(kv_cache_dtype),
         SCALE_PTR=scale_ptr, ALIBI=alibi_slopes is not None, DOT_PREC=_host.dot_precision(query.dtype),
         num_warps=warps, num_stages=stages,
     )

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops.reference import check_prefill_args, dequantize_kv
+from pagedllm.ops.reference import as_vllm_layout, check_prefill_args, dequantize_kv
 
 LOG2E = 1.4426950408889634
 _CHUNK_ELEMS = 1 << 24  # bound on the logits materialized at once by block_sparse_attention
@@ -295,6 +295,7 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
     its whole context; equals ``paged_prefill`` for ``threshold >= 1``."""
     plan = prefill_plan(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                         query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype)
+    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
     cdt = torch.float64 if query.dtype == torch.float64 else torch.float32
     for seq, q0, q_len, seq_len in plan:
         k = gather_sequence(key_cache, block_tables[seq], seq_len, kv_cache_dtype, k_scale, cdt, True)[None]

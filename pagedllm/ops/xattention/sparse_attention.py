@@ -18,6 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops.reference import as_vllm_layout
+from pagedllm.ops.triton._host import cache_layout
+from pagedllm.ops.triton.paged_tile import cache_offsets
+
 from . import reference as ref
 from .estimate import _dot_precision, _head_pad, _last_dim_dense, _pow2, xattn_estimate
 
@@ -30,16 +34,18 @@ CPU_CONFIG = dict(block_m=64, block_n=32, num_warps=4, num_stages=1)
 
 
 @triton.jit
-def _load_kv(K, V, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok,
-             stride_k0, stride_k2, stride_v0, stride_v2, DTYPE: tl.constexpr,
-             PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr):
+def _load_kv(K, V, kvh, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok,
+             stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2, DTYPE: tl.constexpr,
+             PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr,
+             MASKED: tl.constexpr):
     """K as [D, N] and V as [N, D] for key positions offs_n, in DTYPE (fp8 bits are bitcast, not scaled)."""
     if PAGED:
         page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % PAGE
-        k_off = k_base + page[None, :] * stride_k0 + (offs_d[:, None] // X) * stride_k2 + slot[None, :] * X \
-            + offs_d[:, None] % X
-        v_off = v_base + page[:, None] * stride_v0 + offs_d[None, :] * stride_v2 + slot[:, None]
+        k_off = cache_offsets(page[None, :], slot[None, :], offs_d[:, None], kvh, stride_k0, stride_k1, stride_k2,
+                              X, LAYOUT, True)
+        v_off = cache_offsets(page[:, None], slot[:, None], offs_d[None, :], kvh, stride_v0, stride_v1, stride_v2,
+                              X, LAYOUT, False)
     else:
         k_off = k_base + offs_n[None, :] * stride_k2 + offs_d[:, None]
         v_off = v_base + offs_n[:, None] * stride_v2 + offs_d[None, :]
@@ -59,15 +65,15 @@ def _load_kv(K, V, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok,
 
 
 @triton.jit
-def _attend(q, m_i, l_i, acc, start, q_pos, seq_len, K, V, k_base, v_base, bt_row, offs_d, d_ok, qk_scale,
-            stride_k0, stride_k2, stride_v0, stride_v2,
-            BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
+def _attend(q, m_i, l_i, acc, start, q_pos, seq_len, K, V, kvh, k_base, v_base, bt_row, offs_d, d_ok, qk_scale,
+            stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2,
+            BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
             FP8: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     """One BLOCK_N key tile of the online softmax (m_i in log2 units)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < seq_len
-    k, v = _load_kv(K, V, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok, stride_k0, stride_k2,
-                    stride_v0, stride_v2, q.dtype, PAGED, PAGE, X, FP8, MASKED)
+    k, v = _load_kv(K, V, kvh, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok, stride_k0, stride_k1,
+                    stride_k2, stride_v0, stride_v1, stride_v2, q.dtype, PAGED, PAGE, X, LAYOUT, FP8, MASKED)
     s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
     if MASKED:
         ok = n_ok[None, :]
@@ -91,8 +97,8 @@ def _sparse_attn_kernel(
     stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2, stride_bt,
     stride_ip, stride_ih, stride_iq, stride_cp, stride_ch, H, GROUP, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
-    HEAD_PAD: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr, FP8: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_PAD: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+    FP8: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % H
@@ -113,9 +119,9 @@ def _sparse_attn_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     kvh = h // GROUP
-    if PAGED:
-        k_base = kvh * stride_k1
-        v_base = kvh * stride_v1
+    if PAGED:  # cache_offsets adds the kv head
+        k_base = 0
+        v_base = 0
     else:
         k_base = seq.to(tl.int64) * stride_k0 + kvh * stride_k1
         v_base = seq.to(tl.int64) * stride_v0 + kvh * stride_v1
@@ -130,18 +136,20 @@ def _sparse_attn_kernel(
     for i in range(0, count - 1):  # wholly visible blocks: no masks
         kb_start = tl.load(idx + i) * BLOCK_SIZE
         for n in tl.static_range(0, BLOCK_SIZE, BLOCK_N):
-            m_i, l_i, acc = _attend(q, m_i, l_i, acc, kb_start + n, q_pos, seq_len, K, V, k_base, v_base,
-                                    bt_row, offs_d, d_ok, qk_scale, stride_k0, stride_k2, stride_v0,
-                                    stride_v2, BLOCK_N, PAGED, PAGE, X, FP8, False, CAUSAL, DOT_PREC)
+            m_i, l_i, acc = _attend(q, m_i, l_i, acc, kb_start + n, q_pos, seq_len, K, V, kvh, k_base, v_base,
+                                    bt_row, offs_d, d_ok, qk_scale, stride_k0, stride_k1, stride_k2, stride_v0,
+                                    stride_v1, stride_v2, BLOCK_N, PAGED, PAGE, X, LAYOUT, FP8, False, CAUSAL,
+                                    DOT_PREC)
     if count > 0:  # the last listed block: diagonal and/or ragged end
         kb_start = tl.load(idx + count - 1) * BLOCK_SIZE
         end = kb_start + BLOCK_SIZE
         if CAUSAL:
             end = tl.minimum(end, tl.max(q_pos) + 1)
         for n in range(kb_start, end, BLOCK_N):
-            m_i, l_i, acc = _attend(q, m_i, l_i, acc, n, q_pos, seq_len, K, V, k_base, v_base,
-                                    bt_row, offs_d, d_ok, qk_scale, stride_k0, stride_k2, stride_v0,
-                                    stride_v2, BLOCK_N, PAGED, PAGE, X, FP8, True, CAUSAL, DOT_PREC)
+            m_i, l_i, acc = _attend(q, m_i, l_i, acc, n, q_pos, seq_len, K, V, kvh, k_base, v_base,
+                                    bt_row, offs_d, d_ok, qk_scale, stride_k0, stride_k1, stride_k2, stride_v0,
+                                    stride_v1, stride_v2, BLOCK_N, PAGED, PAGE, X, LAYOUT, FP8, True, CAUSAL,
+                                    DOT_PREC)
     o = acc * (tl.load(SCALES + 1) / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(O + tl.load(P_OOFF + p) + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -187,13 +195,13 @@ def _launch(out, query, k, v, block_tables, scales, masks, plan, q_strides, o_st
     d = query.shape[-1]
     cfg = GPU_CONFIG if query.is_cuda else CPU_CONFIG
     block_m, block_n = min(cfg["block_m"], block_size), min(cfg["block_n"], block_size)
-    page, x = (k.shape[3], k.shape[4]) if paged else (1, 1)
+    layout, page, x = cache_layout(k, v) if paged else (0, 1, 1)
     grid = (len(items) * (block_size // block_m) * num_heads,)
     _sparse_attn_kernel[grid](
         query, out, k, v, block_tables, scales, item_p, item_j, *cols, idx, count, *q_strides, *o_strides,
         *k_strides, *v_strides, block_tables.stride(0), *idx.stride()[:3], *count.stride()[:2], num_heads,
         group, scale * ref.LOG2E, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD=d,
-        HEAD_PAD=_head_pad(d), PAGED=paged, PAGE=page, X=x, FP8=fp8, CAUSAL=causal,
+        HEAD_PAD=_head_pad(d), PAGED=paged, PAGE=page, X=x, LAYOUT=layout, FP8=fp8, CAUSAL=causal,
         DOT_PREC=_dot_precision(query.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -249,7 +257,7 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
     if not plan:
         return
     _check_block_size(block_size)
-    masks = _prefill_masks(query, key_cache, block_tables, plan, kv_cache_dtype, k_scale, threshold, stride,
+    masks = _prefill_masks(query, as_vllm_layout(key_cache, value_cache)[0], block_tables, plan, kv_cache_dtype, k_scale, threshold, stride,
                            block_size)
     fp8 = _FP8[kv_cache_dtype]
     kc = key_cache.view(torch.uint8) if fp8 and key_cache.dtype != torch.uint8 else key_cache
