@@ -1,6 +1,7 @@
 """Kernel benchmarks on CUDA: paged decode (our Triton v1 / v2 / auto and our CUDA C++ auto, beside dense SDPA)
 in achieved TB/s of K+V bytes, and paged prefill in TFLOP/s (with and without a cached prefix) beside dense causal SDPA.
-bf16, head 128, block 16, random block tables. Prints a markdown table; writes JSON to --out.
+bf16, head 128, block 16, random block tables. The Triton kernels read the engine's "hnd" cache (Triton auto is
+also timed on vLLM's layout), the CUDA kernel vLLM's layout. Prints a markdown table; writes JSON to --out.
 
     python benchmarks/kernels.py [--out benchmarks/results/]
 """
@@ -37,9 +38,9 @@ def _time_graph_ms(fn):
     return do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
-def _paged_cache(batch, context, kv_heads, gen):
+def _paged_cache(batch, context, kv_heads, gen, layout):
     pages = triton.cdiv(context, BLOCK)
-    kshape, vshape, _ = reference.kv_cache_shapes(batch * pages, BLOCK, kv_heads, HEAD, DTYPE, "auto")
+    kshape, vshape, _ = reference.kv_cache_shapes(batch * pages, BLOCK, kv_heads, HEAD, DTYPE, "auto", layout)
     kc = torch.randn(kshape, device="cuda", dtype=DTYPE, generator=gen)
     vc = torch.randn(vshape, device="cuda", dtype=DTYPE, generator=gen)
     tables = torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).to(torch.int32)
@@ -58,22 +59,25 @@ def _load_cuda_ops():
 
 
 def bench_decode(heads, kv_heads, batch, context, gen, cuda_ops):
-    kc, vc, tables = _paged_cache(batch, context, kv_heads, gen)
     q = torch.randn(batch, heads, HEAD, device="cuda", dtype=DTYPE, generator=gen)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
-    args = (q, kc, vc, kv_heads, HEAD ** -0.5, tables, lens, BLOCK, context, None, "auto", 1.0, 1.0)
     parts = triton.cdiv(context, reference.PARTITION_SIZE)
     ws = (torch.empty(batch, heads, parts, device="cuda"), torch.empty(batch, heads, parts, device="cuda"),
           torch.empty(batch, heads, parts, HEAD, device="cuda", dtype=DTYPE))
-    times = {
-        "v1": _time_graph_ms(lambda: ops.paged_attention_v1(out, *args)),
-        "v2": _time_graph_ms(lambda: ops.paged_attention_v2(out, *ws, *args)),
-        "auto": _time_graph_ms(lambda: ops.paged_attention(out, *args)),
-    }
-    if cuda_ops is not None:
-        times["cuda"] = _time_graph_ms(lambda: cuda_ops.paged_attention(out, *args))
-    del kc, vc
+    times = {}
+    for layout in ("hnd", "vllm"):
+        kc, vc, tables = _paged_cache(batch, context, kv_heads, gen, layout)
+        args = (q, kc, vc, kv_heads, HEAD ** -0.5, tables, lens, BLOCK, context, None, "auto", 1.0, 1.0)
+        if layout == "hnd":
+            times["v1"] = _time_graph_ms(lambda: ops.paged_attention_v1(out, *args))
+            times["v2"] = _time_graph_ms(lambda: ops.paged_attention_v2(out, *ws, *args))
+            times["auto"] = _time_graph_ms(lambda: ops.paged_attention(out, *args))
+        else:
+            times["auto_vllm_layout"] = _time_graph_ms(lambda: ops.paged_attention(out, *args))
+            if cuda_ops is not None:
+                times["cuda"] = _time_graph_ms(lambda: cuda_ops.paged_attention(out, *args))
+        del kc, vc
     k = torch.randn(batch, kv_heads, context, HEAD, device="cuda", dtype=DTYPE, generator=gen)
     v = torch.randn_like(k)
     q4 = q.unsqueeze(2)
@@ -83,17 +87,21 @@ def bench_decode(heads, kv_heads, batch, context, gen, cuda_ops):
             **{f"{n}_ms": t for n, t in times.items()}, **{f"{n}_tbps": kv_bytes / t / 1e9 for n, t in times.items()}}
 
 
+def prefill_flops(length, cached, heads):
+    """Causal: the query at position p sees p + 1 keys; 2 matmuls x 2 flops per multiply-add."""
+    return 4 * heads * HEAD * (length * (length + 1) - cached * (cached + 1)) // 2
+
+
 def bench_prefill(length, cached, gen, heads=32, kv_heads=8):
     new = length - cached
-    kc, vc, tables = _paged_cache(1, length, kv_heads, gen)
+    kc, vc, tables = _paged_cache(1, length, kv_heads, gen, "hnd")
     q = torch.randn(new, heads, HEAD, device="cuda", dtype=DTYPE, generator=gen)
     out = torch.empty_like(q)
     lens = torch.tensor([length], device="cuda", dtype=torch.int32)
     qsl = torch.tensor([0, new], device="cuda", dtype=torch.int32)
     args = (q, kc, vc, kv_heads, HEAD ** -0.5, tables, lens, qsl, new, length, None, "auto", 1.0, 1.0)
     ms = _time_ms(lambda: ops.paged_prefill(out, *args))
-    # causal: query at position p sees p + 1 keys; 2 matmuls x 2 flops per multiply-add
-    flops = 4 * heads * HEAD * (length * (length + 1) - cached * (cached + 1)) // 2
+    flops = prefill_flops(length, cached, heads)
     row = {"shape": f"{heads}/{kv_heads}, {length} tokens, {cached} cached", "ours_ms": ms,
            "ours_tflops": flops / ms / 1e9}
     del kc, vc
@@ -115,12 +123,14 @@ def main():
     cuda_ops = _load_cuda_ops()
     decode = []
     print("| decode shape (q/kv heads, batch x context) | Triton v1 TB/s | Triton v2 TB/s | Triton auto TB/s |"
-          " CUDA auto TB/s | dense SDPA TB/s | Triton auto us |\n|---|---|---|---|---|---|---|", flush=True)
+          " Triton auto, vLLM layout TB/s | CUDA auto TB/s | dense SDPA TB/s | Triton auto us |"
+          "\n|---|---|---|---|---|---|---|---|", flush=True)
     for shape in DECODE_SHAPES:
         r = bench_decode(*shape, gen, cuda_ops)
         decode.append(r)
         cuda = f"{r['cuda_tbps']:.2f}" if "cuda_tbps" in r else "-"
-        print(f"| {r['shape']} | {r['v1_tbps']:.2f} | {r['v2_tbps']:.2f} | {r['auto_tbps']:.2f} | {cuda} | "
+        print(f"| {r['shape']} | {r['v1_tbps']:.2f} | {r['v2_tbps']:.2f} | {r['auto_tbps']:.2f} | "
+              f"{r['auto_vllm_layout_tbps']:.2f} | {cuda} | "
               f"{r['sdpa_tbps']:.2f} | {1000 * r['auto_ms']:.1f} |", flush=True)
         torch.cuda.empty_cache()
     prefill = []
@@ -135,7 +145,7 @@ def main():
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {"date": now.isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__, "dtype": "bfloat16", "head_size": HEAD,
-              "block_size": BLOCK, "decode": decode, "prefill": prefill}
+              "block_size": BLOCK, "triton_cache_layout": "hnd", "decode": decode, "prefill": prefill}
     path = args.out
     if os.path.isdir(path) or path.endswith(os.sep):
         os.makedirs(path, exist_ok=True)
