@@ -14,9 +14,12 @@ from pagedllm.ops.reference import PARTITION_SIZE  # v2 partitions; the v2 works
 from . import _host
 from .paged_tile import LN2, LOG2E, attend_tile, load_scale
 
-_MIN_SPLIT_TOKENS = 256  # auto split-K never gives a program fewer keys than this
-_SINGLE_PASS_PROGRAMS_PER_SM = 4  # (sequence, kv head) programs per SM from which split-K stops paying
-_TARGET_PROGRAMS_PER_SM = 16  # when splitting; on H100 many short programs balance the SMs better than 4
+# Split-K choice, from benchmarks/triton_tuning.py on the H100 ("hnd" cache, bf16, head 128, tile 64/2 warps):
+# (sequence, kv head) programs alone fill the GPU from 2 per SM; below that, splitting toward 4 per SM pays,
+# but partitions under ~1024 tokens lose more to their fixed cost and the reduce than they gain.
+_SINGLE_PASS_PROGRAMS_PER_SM = 2
+_TARGET_PROGRAMS_PER_SM = 4
+_MIN_SPLIT_TOKENS = 1024
 
 
 @triton.jit
@@ -145,11 +148,13 @@ def _reduce_kernel(
 
 
 def _config(query: torch.Tensor, head_pad: int, block_size: int):
-    """(BLOCK_N, num_warps, num_stages). On CPU (interpreter) small tiles exercise multi-tile paths."""
+    """(BLOCK_N, num_warps, num_stages). On CPU (interpreter) small tiles exercise multi-tile paths.
+    GPU: the best tile of benchmarks/triton_tuning.py on nine of the ten H100 shapes at head 128."""
     if not query.is_cuda:
         return max(16, block_size), 4, 1
-    block_n = 64 if head_pad <= 128 else 32
-    return max(block_n, block_size), 4, 3
+    if head_pad <= 128:
+        return max(64, block_size), 2, 3
+    return max(32, block_size), 4, 3
 
 
 def _launch(out, partials, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,

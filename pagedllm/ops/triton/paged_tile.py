@@ -75,7 +75,11 @@ def attend_tile(
             (bs_id[None, :] > sparse_q_block - sparse_local)
         keep = keep & ((page_idx * BLOCK_SIZE)[None, :] <= q_pos[:, None])
         page_ok = page_ok & (tl.max(keep.to(tl.int32), axis=0) > 0)
-    page = tl.load(block_table + page_idx, mask=page_ok, other=0).to(tl.int64)
+    # Unmasked tiles lie wholly inside the sequence (the callers guarantee it), so they load without masks.
+    if MASKED:
+        page = tl.load(block_table + page_idx, mask=page_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_table + page_idx).to(tl.int64)
 
     # K as [D, N] and V as [N, D], the operand shapes of the two dots.
     k_off = cache_offsets(page[None, :], slot[None, :], offs_d[:, None], kv_head, stride_kb, stride_kh, stride_k2,
@@ -86,14 +90,23 @@ def attend_tile(
         # vLLM's V pages hold runs of BLOCK_SIZE contiguous tokens, which the compiler cannot see through
         # the gathered page numbers.
         v_off = tl.max_contiguous(tl.multiple_of(v_off, [BLOCK_SIZE, 1]), [BLOCK_SIZE, 1])
-    k = tl.load(k_cache + k_off, mask=d_ok[:, None] & page_ok[None, :], other=0.0)
-    v = tl.load(v_cache + v_off, mask=page_ok[:, None] & d_ok[None, :], other=0.0)
+    if MASKED:
+        k = tl.load(k_cache + k_off, mask=d_ok[:, None] & page_ok[None, :], other=0.0)
+        v = tl.load(v_cache + v_off, mask=page_ok[:, None] & d_ok[None, :], other=0.0)
+    elif HEAD_SIZE < HEAD_PAD:
+        k = tl.load(k_cache + k_off, mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_cache + v_off, mask=d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_cache + k_off)
+        v = tl.load(v_cache + v_off)
     k = _to_compute(k, q.dtype, FP8)
     v = _to_compute(v, q.dtype, FP8)
 
-    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-    if ALIBI:
-        s += alibi[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+    s = tl.dot(q, k, input_precision=DOT_PREC)
+    s_scale = qk_scale
+    if ALIBI:  # the bias is in scaled (log2) units
+        s = s * qk_scale + alibi[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+        s_scale = 1.0
     if MASKED:
         tok_ok = page_ok & (offs_n < seq_len)
         visible = tok_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -103,10 +116,11 @@ def attend_tile(
         # Cache slots past seq_len hold garbage (maybe NaN); P is 0 there but 0 * NaN is not.
         v = tl.where(tok_ok[:, None], v, 0.0)
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # The scale is positive, so it commutes with the max and folds into one FMA before the exp2.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * s_scale)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
     alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
+    p = tl.exp2(s * s_scale - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc

@@ -89,7 +89,9 @@ def _config(query: torch.Tensor, head_pad: int, group: int, block_size: int):
     if not query.is_cuda:
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif head_pad <= 128:
-        block_m, block_n, warps, stages = 128, 64, 4, 3  # best of a sweep on H100 at 16K (see benchmarks)
+        # Best of benchmarks/triton_tuning.py on the H100 at 16K ("hnd" cache). With 4 warps the 128 x 128
+        # tile spilled registers (ncu: 255 per thread plus local-memory traffic).
+        block_m, block_n, warps, stages = 128, 128, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     return max(block_m, triton.next_power_of_2(group)), max(block_n, block_size), warps, stages
