@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from pagedllm.layers.norm import RMSNorm, fused_kernels
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -71,10 +73,25 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, self.inv_freq)
         self.cos_sin_cache.copy_(torch.cat((freqs.cos(), freqs.sin()), dim=-1))
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H*D], k [T, Hkv*D] -> rotated (q, k), same shapes."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                qk_norm: tuple[RMSNorm, RMSNorm] | None = None):
+        """positions [T]; q [T, H*D], k [T, Hkv*D] -> rotated (q, k), same shapes. qk_norm: Qwen3's
+        RMSNorms of each q and k head, applied before rotating (in the same kernel on the GPU).
+        The fused kernels (CUDA) rotate q and k in place: pass tensors whose old values are not needed."""
+        kernels = fused_kernels(q)
+        if kernels is not None:
+            # One eps for both: Qwen3 builds the two norms from the same config value.
+            norm_args = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+            kernels.rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, norm_args)
+            return q, k
+        if qk_norm is not None:
+            q = self._per_head(qk_norm[0], q)
+            k = self._per_head(qk_norm[1], k)
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(-2).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _per_head(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(x.shape[0], -1, self.head_size)).view(x.shape)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

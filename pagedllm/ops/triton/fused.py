@@ -1,0 +1,132 @@
+"""Fused elementwise kernels of the decoder layer: RMSNorm (with the residual add), SiLU-and-mul, and RoPE
+(with Qwen3's per-head q/k RMSNorm). Each replaces several PyTorch kernels with one pass over memory and
+needs no host sync and no data-dependent allocation, so it can be captured in a CUDA graph.
+
+The pagedllm.layers modules call these on CUDA tensors; their PyTorch code is the oracle. The kernels
+compute in the same precision and round at the same points: statistics in float32, everything else in
+the model dtype. FMA contraction is off (`enable_fp_fusion=False`), so a product followed by a sum is
+rounded twice as in PyTorch's separate kernels; RoPE and the residual add then match bit for bit, the
+norms (also the q/k norm before RoPE) and SiLU within an ulp (reduction order, rsqrt/exp implementations).
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_scale(x, w, rstd):
+    # Normalised value rounded to the model dtype before the weight multiply, as HF Llama does.
+    return w * (x.to(tl.float32) * rstd).to(x.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, stride_x, stride_r,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        h += tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(residual_out + row * N + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    w = tl.load(weight + cols, mask=mask)
+    tl.store(out + row * N + cols, _rms_scale(h, w, rstd), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim: norm(x), or with residual (norm(x + residual), x + residual) in new
+    tensors. Rows may be strided; each row must be contiguous."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    # One program per row; wider rows get more warps so each thread keeps ~8-16 values in registers.
+    launch = dict(N=n, BLOCK=block, num_warps=min(max(block // 256, 1), 16), enable_fp_fusion=False)
+    if residual is None:
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, eps, rows.stride(0), 0,
+                                           HAS_RESIDUAL=False, **launch)
+        return out
+    res = residual.reshape(-1, n)
+    res_out = torch.empty_like(out)
+    _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, res_out, eps, rows.stride(0), res.stride(0),
+                                       HAS_RESIDUAL=True, **launch)
+    return out, res_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x, out, stride_x, I: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x + I + cols, mask=mask, other=0.0)
+    # F.silu computes in float32 and rounds; the multiply is a second op in the model dtype.
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(out + row * I + cols, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]. Rows may be strided; each row contiguous."""
+    inter = x.shape[-1] // 2
+    rows = x.reshape(-1, 2 * inter)
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
+        rows, out, rows.stride(0), I=inter, BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _rope_heads(x, w, eps, cos, sin, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+    """Rotate in place the HEADS heads at x (one token, contiguous heads of 2 * HALF): neox style, the
+    first half of each head paired with the second. NORM: RMSNorm each head with weight w first."""
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < HEADS) & (d < HALF)
+    ptr = x + h * (2 * HALF) + d
+    x1 = tl.load(ptr, mask=mask, other=0.0)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+    if NORM:
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        sum_sq = tl.sum(x1f * x1f, axis=1, keep_dims=True) + tl.sum(x2f * x2f, axis=1, keep_dims=True)
+        rstd = tl.rsqrt(sum_sq / (2 * HALF) + eps)
+        x1 = _rms_scale(x1, tl.load(w + d, mask=d < HALF), rstd)
+        x2 = _rms_scale(x2, tl.load(w + HALF + d, mask=d < HALF), rstd)
+    tl.store(ptr, x1 * cos - x2 * sin, mask=mask)
+    tl.store(ptr + HALF, x2 * cos + x1 * sin, mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, stride_q, stride_k, stride_cache,
+                 Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS: tl.constexpr,
+                 K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions + token).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    row = cos_sin_cache + pos * stride_cache + d
+    # The cache is float32; like the PyTorch layer, round cos/sin to the model dtype before using them.
+    cos = tl.load(row, mask=d < HALF).to(q.dtype.element_ty)
+    sin = tl.load(row + HALF, mask=d < HALF).to(q.dtype.element_ty)
+    _rope_heads(q + token * stride_q, q_weight, eps, cos, sin, Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD, NORM)
+    _rope_heads(k + token * stride_k, k_weight, eps, cos, sin, K_HEADS, K_HEADS_PAD, HALF, HALF_PAD, NORM)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
+                     cos_sin_cache: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+    """Neox-style RoPE of q [T, H*D] and k [T, Hkv*D] in place, cos/sin from rows `positions` [T] of
+    cos_sin_cache [max_position, D] ([cos | sin], float32). qk_norm = (q weight, k weight, eps): RMSNorm
+    each head first (Qwen3). q and k may be strided views of one qkv tensor; each row contiguous."""
+    q_heads, k_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # dummies, never read
+    half = head_size // 2
+    tile = triton.next_power_of_2(max(q_heads, k_heads)) * triton.next_power_of_2(half)
+    _rope_kernel[(q.shape[0],)](
+        q, k, positions, cos_sin_cache, q_weight, k_weight, eps, q.stride(0), k.stride(0),
+        cos_sin_cache.stride(0), Q_HEADS=q_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads),
+        K_HEADS=k_heads, K_HEADS_PAD=triton.next_power_of_2(k_heads), HALF=half,
+        HALF_PAD=triton.next_power_of_2(half), NORM=qk_norm is not None, num_warps=min(max(tile // 256, 1), 8),
+        enable_fp_fusion=False)

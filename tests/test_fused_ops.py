@@ -1,0 +1,161 @@
+"""The fused Triton kernels (pagedllm.ops.triton.fused) against the PyTorch code of the layers they replace,
+on CPU under the Triton interpreter (fp16/fp32; the interpreter mishandles bf16), at odd sizes. RoPE and the
+residual add must match bit for bit; the norms and SiLU within an ulp or two (reduction order, exp).
+tests/gpu/test_fused_gpu.py runs the same checks on CUDA at real sizes."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (the layers import it lazily)
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import Qwen3Config  # noqa: E402
+
+from pagedllm.layers import activation, norm, rotary  # noqa: E402
+from pagedllm.layers.activation import SiluAndMul  # noqa: E402
+from pagedllm.layers.norm import RMSNorm  # noqa: E402
+from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
+from pagedllm.models import load_model  # noqa: E402
+from test_models import prefill_logits  # noqa: E402
+
+pytest.importorskip("triton")
+
+DTYPES = [torch.float32, torch.float16]
+TOKENS = [1, 37]
+
+
+def _fused():
+    from pagedllm.ops.triton import fused
+    return fused
+
+
+def assert_ulps(out, ref, ulps=2, of_largest=False):
+    """Equal up to `ulps` units in the last place of each element of ref (of_largest: of ref's largest
+    element, for values that come out of a cancelling sum such as a rotation)."""
+    info = torch.finfo(ref.dtype)
+    atol = ulps * info.eps * ref.abs().max().item() if of_largest else info.tiny
+    torch.testing.assert_close(out, ref, rtol=ulps * info.eps, atol=atol)
+
+
+def _norm_layer(hidden, dtype, gen):
+    layer = RMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(1 + 0.3 * torch.randn(hidden, generator=gen))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hidden", [96, 200])
+def test_rms_norm(dtype, tokens, hidden):
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    layer = _norm_layer(hidden, dtype, gen)
+    x = (3 * torch.randn(tokens, hidden, generator=gen)).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ulps = 2 if dtype != torch.float32 else 64  # fp32: summation order alone moves the last bits
+    fused = _fused()
+    with torch.no_grad():
+        assert_ulps(fused.rms_norm(x, layer.weight, layer.eps), layer(x), ulps)
+        out, new_residual = fused.rms_norm(x, layer.weight, layer.eps, residual)
+        ref_out, ref_residual = layer(x, residual)
+    assert torch.equal(new_residual, ref_residual)
+    assert_ulps(out, ref_out, ulps)
+
+
+def test_rms_norm_strided_rows_leave_inputs_alone():
+    gen = torch.Generator().manual_seed(0)
+    layer = _norm_layer(80, torch.float16, gen)
+    wide = torch.randn(5, 3, 100, generator=gen).to(torch.float16)
+    x, residual = wide[..., :80], wide[..., 10:90]  # strided rows, overlapping inputs
+    before = wide.clone()
+    with torch.no_grad():
+        out, new_residual = _fused().rms_norm(x, layer.weight, layer.eps, residual)
+        ref_out, ref_residual = layer(x, residual)
+    assert out.shape == (5, 3, 80) and torch.equal(new_residual, ref_residual)
+    assert_ulps(out, ref_out)
+    assert torch.equal(wide, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("inter", [40, 1500])  # 1500: more than one column block, ragged last block
+def test_silu_and_mul(dtype, tokens, inter):
+    gen = torch.Generator().manual_seed(tokens + inter)
+    x = (4 * torch.randn(tokens, 2 * inter + 3, generator=gen)).to(dtype)[:, 1:2 * inter + 1]  # strided rows
+    out = _fused().silu_and_mul(x)
+    ref = SiluAndMul()(x)
+    assert out.shape == ref.shape == (tokens, inter)
+    assert_ulps(out, ref, 2 if dtype != torch.float32 else 8)
+
+
+def _qkv(tokens, heads, kv_heads, head_size, dtype, gen):
+    """q and k as the model has them: strided views into one fused qkv projection output."""
+    q_size, kv_size = heads * head_size, kv_heads * head_size
+    qkv = (2 * torch.randn(tokens, q_size + 2 * kv_size, generator=gen)).to(dtype)
+    return qkv, qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+
+# (heads, kv heads, head size): GQA, MQA, odd head counts, 80-dim heads (half of 40: a padded tile).
+ROPE_SHAPES = [(4, 2, 64), (3, 1, 80), (8, 8, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_embedding_in_place(dtype, tokens, shape, qk_norm):
+    heads, kv_heads, head_size = shape
+    gen = torch.Generator().manual_seed(tokens + head_size)
+    rope = RotaryEmbedding(head_size, 4096, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 512})
+    norms = (_norm_layer(head_size, dtype, gen), _norm_layer(head_size, dtype, gen)) if qk_norm else None
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    qkv, (q, k, v) = _qkv(tokens, heads, kv_heads, head_size, dtype, gen)
+    v_before = v.clone()
+    with torch.no_grad():
+        ref_q, ref_k = rope(positions, q, k, norms)
+        norm_args = (norms[0].weight, norms[1].weight, norms[0].eps) if qk_norm else None
+        _fused().rotary_embedding(positions, q, k, head_size, rope.cos_sin_cache, norm_args)
+    assert torch.equal(v, v_before)
+    if qk_norm:
+        ulps = 4 if dtype != torch.float32 else 64
+        assert_ulps(q, ref_q, ulps, of_largest=True)
+        assert_ulps(k, ref_k, ulps, of_largest=True)
+    else:  # products and sums rounded at the same points as the PyTorch layer: identical bits
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
+def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
+    """The layers' wiring: a Qwen3 (per-head q/k norm, 80-dim heads, in-place RoPE on the qkv output)
+    gives the same logits through the kernels as through the PyTorch code."""
+    config = Qwen3Config(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, head_dim=80, max_position_embeddings=256,
+                         architectures=["Qwen3ForCausalLM"])
+    config.save_pretrained(tmp_path)
+    model, _, _ = load_model(str(tmp_path), dtype, "cpu", load_format="dummy", seed=1)
+    with torch.no_grad():  # dummy norms start at 1; random ones make the norm weights count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    ids = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(2))
+    reference = prefill_logits(model, ids)
+    for module in (norm, activation, rotary):  # route CPU tensors through the kernels, as CUDA ones are
+        monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
+    fused = prefill_logits(model, ids)
+    err = (fused - reference).abs().max() / reference.abs().max()
+    assert err < rel, f"max error {err:.2e} relative to the largest logit"
+
+
+def test_cpu_tensors_never_import_triton():
+    code = ("import sys, torch\n"
+            "from pagedllm.layers.norm import RMSNorm, fused_kernels, set_fused\n"
+            "set_fused(True)\n"
+            "x = torch.randn(2, 8)\n"
+            "assert fused_kernels(x) is None and RMSNorm(8)(x).shape == x.shape\n"
+            "assert 'triton' not in sys.modules\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
