@@ -90,8 +90,9 @@ def _config(query: torch.Tensor, head_pad: int, group: int, block_size: int):
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif head_pad <= 128:
         # Best of benchmarks/triton_tuning.py on the H100 at 16K ("hnd" cache). With 4 warps the 128 x 128
-        # tile spilled registers (ncu: 255 per thread plus local-memory traffic).
-        block_m, block_n, warps, stages = 128, 128, 8, 3
+        # tile spilled registers (ncu: 255 per thread plus local-memory traffic). fp32 queries (tests,
+        # debugging) halve BLOCK_N: three stages of 128-key fp32 K/V tiles exceed shared memory.
+        block_m, block_n, warps, stages = 128, 256 // query.element_size(), 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     return max(block_m, triton.next_power_of_2(group)), max(block_n, block_size), warps, stages
