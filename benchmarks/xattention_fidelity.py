@@ -49,27 +49,37 @@ def reference_text() -> str:
     return "\n\n".join(topics.values())
 
 
+def load_text_model(dtype: torch.dtype, device: str):
+    """``(model, tokenizer, token ids of the whole reference text)`` for MODEL in dtype on device."""
+    from transformers import AutoTokenizer
+    model, _, model_dir = load_model(MODEL, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = torch.tensor(tokenizer(reference_text(), add_special_tokens=False).input_ids, device=device)
+    return model, tokenizer, ids
+
+
 def prefill_hidden(model, input_ids: torch.Tensor, sparse: SparsePrefill | None) -> torch.Tensor:
     """Final hidden states of every position of one sequence prefilled from an empty paged cache in one
-    step (the layout tests/test_models.py uses), dense or with XAttention in every layer."""
-    n, page = input_ids.shape[0], 16
+    step (the layout tests/test_models.py uses), dense or with XAttention in every layer; on input_ids'
+    device."""
+    n, page, device = input_ids.shape[0], 16, input_ids.device
     num_blocks = -(-n // page)
     dtype = next(model.parameters()).dtype
     for m in model.modules():
         if isinstance(m, Attention):
             k_shape, v_shape, cache_dtype = ops.kv_cache_shapes(num_blocks, page, m.num_kv_heads, m.head_size,
-                                                                dtype, "auto", "cpu")
-            m.bind_cache(torch.zeros(k_shape, dtype=cache_dtype), torch.zeros(v_shape, dtype=cache_dtype),
-                         "auto", 1.0, 1.0)
-    i32 = dict(dtype=torch.int32)
+                                                                dtype, "auto", device)
+            m.bind_cache(torch.zeros(k_shape, dtype=cache_dtype, device=device),
+                         torch.zeros(v_shape, dtype=cache_dtype, device=device), "auto", 1.0, 1.0)
+    i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), num_decode_tokens=0,
+        slot_mapping=torch.arange(n, device=device), num_decode_tokens=0,
         decode_block_tables=None, decode_seq_lens=None, decode_max_seq_len=0,
         prefill_block_tables=torch.arange(num_blocks, **i32)[None],
         prefill_seq_lens=torch.tensor([n], **i32), prefill_query_start_loc=torch.tensor([0, n], **i32),
         prefill_max_query_len=n, prefill_max_seq_len=n, sparse_prefill=sparse)
     with set_forward_context(meta), torch.no_grad():
-        return model(input_ids, torch.arange(n))
+        return model(input_ids, torch.arange(n, device=device))
 
 
 @contextlib.contextmanager
@@ -224,11 +234,8 @@ def main():
     parser.add_argument("--out", default=None, help="JSON path (the .md goes beside it)")
     args = parser.parse_args()
     start = time.time()
-    text = reference_text()
-    model, _, model_dir = load_model(MODEL, torch.float32, "cpu")
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[:args.length])
+    model, tokenizer, ids = load_text_model(torch.float32, "cpu")
+    ids = ids[:args.length]
 
     with captured_qkv(model) as qkv:
         dense_hidden = prefill_hidden(model, ids, None)
@@ -243,7 +250,8 @@ def main():
 
     needle = []
     if args.haystack:
-        needle = run_needles(needle_prompts(tokenizer, text, args.haystack, args.depths), args.max_tokens)
+        needle = run_needles(needle_prompts(tokenizer, reference_text(), args.haystack, args.depths),
+                             args.max_tokens)
 
     result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), model=MODEL, dtype="float32",
                   device="cpu", torch=torch.__version__, text=TEXT_SOURCE, length=int(ids.shape[0]),

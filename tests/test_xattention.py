@@ -188,22 +188,31 @@ def _random_mask(b, h, q_len, k_len, block, density, causal, seed):
     return mask
 
 
-@pytest.mark.parametrize("q_len,k_len,heads,block,causal,dtype", [
-    (256, 256, (4, 2), 64, True, torch.float16),
-    (200, 456, (2, 1), 32, True, torch.float32),   # unaligned query start and end
-    (100, 300, (2, 2), 64, False, torch.float16),
+@pytest.mark.parametrize("q_len,k_len,heads,head,block,causal,dtype", [
+    (256, 256, (4, 2), 64, 64, True, torch.float16),
+    (200, 456, (2, 1), 64, 32, True, torch.float32),   # unaligned query start and end
+    (100, 300, (2, 2), 64, 64, False, torch.float16),
+    (128, 192, (2, 1), 80, 32, True, torch.float16),   # head size padded to a power of two: masked loads
 ])
-def test_block_sparse_attention_triton_matches_reference(triton_backend, q_len, k_len, heads, block, causal,
+def test_block_sparse_attention_triton_matches_reference(triton_backend, q_len, k_len, heads, head, block, causal,
                                                          dtype):
     torch.manual_seed(5)
-    q = _randn(2, heads[0], q_len, 64, dtype=dtype)
-    k, v = _randn(2, heads[1], k_len, 64, dtype=dtype), _randn(2, heads[1], k_len, 64, dtype=dtype)
+    q = _randn(2, heads[0], q_len, head, dtype=dtype)
+    k, v = _randn(2, heads[1], k_len, head, dtype=dtype), _randn(2, heads[1], k_len, head, dtype=dtype)
     mask = _random_mask(2, heads[0], q_len, k_len, block, 0.4, causal, seed=q_len)
     mask[0, 0, 1] = False  # a query block that sees no key at all gives zeros
     out = xa.block_sparse_attention(q, k, v, mask, block, causal)
     want = ref.block_sparse_attention(q, k, v, mask, block, causal)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
+def test_block_sparse_attention_triton_rejects_nonpositive_scale(triton_backend):
+    # the kernel applies the scale after the row max, which only a positive scale commutes with
+    q, k = torch.randn(1, 2, 64, 32), torch.randn(1, 1, 64, 32)
+    mask = torch.ones(1, 2, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="positive"):
+        xa.block_sparse_attention(q, k, k, mask, 32, scale=-0.1)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

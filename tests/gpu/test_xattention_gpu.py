@@ -72,6 +72,20 @@ def test_block_sparse_attention_matches_reference(q_len, k_len):
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head", [(9, 3, 64), (4, 2, 96)])
+def test_block_sparse_attention_other_heads_match_reference(heads, kv_heads, head):
+    """SmolLM2's shape (benchmarks/xattention.py's real data) and a head size padded to a power of two (the
+    masked loads of unmasked tiles)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, heads, 4096, head, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(1, kv_heads, 4096, head, device="cuda", generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(1, heads, 32, 32, device="cuda", generator=g) < 0.3
+    mask[..., 0] = True
+    mask[..., torch.arange(32), torch.arange(32)] = True
+    out = xa.block_sparse_attention(q, k, v, mask)
+    torch.testing.assert_close(out.float(), ref.block_sparse_attention(q, k, v, mask).float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("n", [8192, 32768])
 def test_full_mask_equals_sdpa(n):
     q, k, v = _qkv(n, n, seed=3)

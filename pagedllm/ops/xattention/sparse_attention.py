@@ -37,10 +37,15 @@ CPU_CONFIG = dict(block_m=64, block_n=32, num_warps=4, num_stages=1)
 def _load_kv(K, V, kvh, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok,
              stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2, DTYPE: tl.constexpr,
              PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr,
-             MASKED: tl.constexpr):
-    """K as [D, N] and V as [N, D] for key positions offs_n, in DTYPE (fp8 bits are bitcast, not scaled)."""
+             MASKED: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """K as [D, N] and V as [N, D] for key positions offs_n, in DTYPE (fp8 bits are bitcast, not scaled).
+    Unmasked tiles lie wholly inside the sequence, so they load without token masks (and without any mask
+    when the head size is a power of two)."""
     if PAGED:
-        page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        if MASKED:
+            page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
         slot = offs_n % PAGE
         k_off = cache_offsets(page[None, :], slot[None, :], offs_d[:, None], kvh, stride_k0, stride_k1, stride_k2,
                               X, LAYOUT, True)
@@ -52,9 +57,12 @@ def _load_kv(K, V, kvh, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok,
     if MASKED:
         k = tl.load(K + k_off, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         v = tl.load(V + v_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    else:
+    elif HEAD < HEAD_PAD:
         k = tl.load(K + k_off, mask=d_ok[:, None], other=0.0)
         v = tl.load(V + v_off, mask=d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(K + k_off)
+        v = tl.load(V + v_off)
     if FP8 == 1:
         k = k.to(tl.float8e4nv, bitcast=True)
         v = v.to(tl.float8e4nv, bitcast=True)
@@ -68,23 +76,27 @@ def _load_kv(K, V, kvh, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok,
 def _attend(q, m_i, l_i, acc, start, q_pos, seq_len, K, V, kvh, k_base, v_base, bt_row, offs_d, d_ok, qk_scale,
             stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2,
             BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
-            FP8: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One BLOCK_N key tile of the online softmax (m_i in log2 units)."""
+            FP8: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+            HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """One BLOCK_N key tile of the online softmax (m_i in log2 units, s left unscaled)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < seq_len
     k, v = _load_kv(K, V, kvh, k_base, v_base, bt_row, offs_n, n_ok, offs_d, d_ok, stride_k0, stride_k1,
-                    stride_k2, stride_v0, stride_v1, stride_v2, q.dtype, PAGED, PAGE, X, LAYOUT, FP8, MASKED)
-    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+                    stride_k2, stride_v0, stride_v1, stride_v2, q.dtype, PAGED, PAGE, X, LAYOUT, FP8, MASKED,
+                    HEAD, HEAD_PAD)
+    s = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
         ok = n_ok[None, :]
         if CAUSAL:
             ok = ok & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(ok, s, NEG_INF)
         v = tl.where(n_ok[:, None], v, 0.0)  # unwritten cache slots may hold NaN; 0 * NaN is not 0
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # The scale is positive (the softmax scale is checked on the host, an fp8 k_scale is positive), so it
+    # commutes with the max and folds into one FMA before the exp2 instead of a multiply of the whole tile.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     m_ref = tl.where(m_new == NEG_INF, 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
+    p = tl.exp2(s * qk_scale - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
@@ -139,7 +151,7 @@ def _sparse_attn_kernel(
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, kb_start + n, q_pos, seq_len, K, V, kvh, k_base, v_base,
                                     bt_row, offs_d, d_ok, qk_scale, stride_k0, stride_k1, stride_k2, stride_v0,
                                     stride_v1, stride_v2, BLOCK_N, PAGED, PAGE, X, LAYOUT, FP8, False, CAUSAL,
-                                    DOT_PREC)
+                                    DOT_PREC, HEAD, HEAD_PAD)
     if count > 0:  # the last listed block: diagonal and/or ragged end
         kb_start = tl.load(idx + count - 1) * BLOCK_SIZE
         end = kb_start + BLOCK_SIZE
@@ -149,7 +161,7 @@ def _sparse_attn_kernel(
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, n, q_pos, seq_len, K, V, kvh, k_base, v_base,
                                     bt_row, offs_d, d_ok, qk_scale, stride_k0, stride_k1, stride_k2, stride_v0,
                                     stride_v1, stride_v2, BLOCK_N, PAGED, PAGE, X, LAYOUT, FP8, True, CAUSAL,
-                                    DOT_PREC)
+                                    DOT_PREC, HEAD, HEAD_PAD)
     o = acc * (tl.load(SCALES + 1) / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(O + tl.load(P_OOFF + p) + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -165,7 +177,8 @@ def _compact_kernel(MASK, P_QSTART, IDX, CNT, stride_mp, stride_mh, stride_mq, s
     kb = tl.arange(0, KB_PAD)
     ok = kb < k_blocks
     if CAUSAL:
-        ok = ok & (kb <= tl.load(P_QSTART + p) // BLOCK_SIZE + j)  # the attention kernel masks only the last listed block
+        # blocks past the diagonal are dropped: the attention kernel masks only the last listed block
+        ok = ok & (kb <= tl.load(P_QSTART + p) // BLOCK_SIZE + j)
     keep = tl.load(MASK + p * stride_mp + h * stride_mh + j * stride_mq + kb, mask=ok, other=0) != 0
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(IDX + p * stride_ip + h * stride_ih + j * stride_iq + pos, kb, mask=keep)
@@ -177,6 +190,8 @@ def _launch(out, query, k, v, block_tables, scales, masks, plan, q_strides, o_st
     """Run the sparse kernel. ``masks`` is bool [P, H, q_blocks, k_blocks], entry p zero-padded past its own
     shape; ``plan`` lists per entry (sequence, query start, seq len, query element offset, output element
     offset), the queries being positions query start .. seq len - 1."""
+    if not scale > 0:
+        raise ValueError(f"scale must be positive (the kernel applies it after the row max), got {scale!r}")
     num_p, num_heads, q_blocks, k_blocks = masks.shape
     dev = query.device
     idx = torch.empty(num_p, num_heads, q_blocks, k_blocks, dtype=torch.int32, device=dev)
@@ -257,8 +272,8 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
     if not plan:
         return
     _check_block_size(block_size)
-    masks = _prefill_masks(query, as_vllm_layout(key_cache, value_cache)[0], block_tables, plan, kv_cache_dtype, k_scale, threshold, stride,
-                           block_size)
+    masks = _prefill_masks(query, as_vllm_layout(key_cache, value_cache)[0], block_tables, plan, kv_cache_dtype,
+                           k_scale, threshold, stride, block_size)
     fp8 = _FP8[kv_cache_dtype]
     kc = key_cache.view(torch.uint8) if fp8 and key_cache.dtype != torch.uint8 else key_cache
     vc = value_cache.view(torch.uint8) if fp8 and value_cache.dtype != torch.uint8 else value_cache
