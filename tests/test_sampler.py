@@ -4,7 +4,7 @@ import torch
 
 from pagedllm import SamplingParams
 from pagedllm.engine.request import Request
-from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.sampler import Sampler, _param_table, _Rows, _sampling_probs
 
 VOCAB = 50
 
@@ -136,3 +136,127 @@ def test_logprobs_are_raw_log_softmax_with_top_k():
     for tok, val in lp.items():
         assert val == pytest.approx(float(ref[tok]), abs=1e-5)
     assert out.logprobs[1] is None
+
+
+def reference_probs(logits_row, p):
+    """Per-row filtering the plain way: sort the whole vocabulary, cut at top_k, then at top_p, then min_p."""
+    x = logits_row.double() / p.temperature
+    order = x.argsort(descending=True)
+    k = p.top_k if p.top_k > 0 else x.numel()
+    kept = order[:k]
+    if p.top_p < 1.0:
+        probs = torch.softmax(x[kept], -1)
+        mass_before = probs.cumsum(-1) - probs
+        kept = kept[mass_before < p.top_p]
+    probs = torch.zeros_like(x)
+    probs[kept] = torch.softmax(x[kept], -1)
+    if p.min_p > 0.0:
+        probs[probs < probs.max() * p.min_p] = 0.0
+    return probs.float()
+
+
+@pytest.mark.parametrize("case", ["top_k_everywhere", "top_p_without_top_k", "some_rows_unfiltered"])
+def test_filters_match_a_full_sort_reference(case):
+    torch.manual_seed(1)
+    ks = {"top_k_everywhere": [1, 3, 7, 20, 50, 60], "top_p_without_top_k": [5, -1, 12, -1, 50, 2],
+          "some_rows_unfiltered": [-1, 4, -1, 9, -1, 30]}[case]
+    top_ps = [1.0, 0.3, 0.8, 0.95, 0.5, 1.0] if case != "some_rows_unfiltered" else [1.0, 0.6, 1.0, 1.0, 1.0, 0.9]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp) for t, k, tp, mp in
+              zip([0.5, 1.0, 1.5, 0.8, 2.0, 1.0], ks, top_ps, [0.0, 0.05, 0.0, 0.2, 0.01, 0.0])]
+    logits = torch.randn(len(params), VOCAB) * 3
+    filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    rows = _Rows(torch.tensor(filtered), len(filtered) == len(params))
+    probs = _sampling_probs(logits.clone(), _param_table(params), rows, [params[i].top_k for i in filtered], True)
+    for i, p in enumerate(params):
+        ref = reference_probs(logits[i], p)
+        assert torch.equal(probs[i] > 0, ref > 0), (i, p)
+        torch.testing.assert_close(probs[i], ref)
+
+
+def test_seeded_request_ignores_batch_composition():
+    torch.manual_seed(2)
+    steps = [torch.randn(6, VOCAB) for _ in range(4)]
+    seeded = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2, seed=42)
+    others = {
+        "alone": [],
+        "greedy": [dict(temperature=0.0), dict(temperature=0.0, presence_penalty=1.0)],
+        "full_sort": [dict(temperature=1.0, top_p=0.5), dict(temperature=0.7)],
+        "unfiltered": [dict(temperature=1.2), dict(temperature=1.0, seed=3, logprobs=2)],
+        "top_k": [dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_k=45, min_tokens=3)],
+    }
+    results = {}
+    for name, extra in others.items():
+        reqs = [make_request(str(i), **kw) for i, kw in enumerate(extra)]
+        mine = make_request("seeded", **seeded)
+        reqs.insert(len(reqs) // 2, mine)
+        row = reqs.index(mine)
+        sampler = Sampler(torch.device("cpu"), len(name))
+        tokens = []
+        for logits in steps:
+            # The seeded request sees the same logits wherever it sits in the batch.
+            batch = torch.randn(len(reqs), VOCAB)
+            batch[row] = logits[0]
+            tok = sampler(batch, reqs).token_ids
+            tokens.append(tok[row])
+            for r, t in zip(reqs, tok):
+                r.append_output_token(t)
+        results[name] = tokens
+    assert all(v == results["alone"] for v in results.values()), results
+
+
+def reference_penalties(row, request, p):
+    """The per-row definition: repetition over prompt + output, presence/frequency over output only."""
+    row = row.clone()
+    seen = torch.zeros(row.shape[0], dtype=torch.bool)
+    seen[torch.tensor(request.all_token_ids)] = True
+    row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+    counts = torch.zeros(row.shape[0])
+    for t in request.output_token_ids:
+        counts[t] += 1
+    return row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+def test_batched_penalties_match_a_per_row_reference():
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        reqs = []
+        for i in range(5):
+            rp, fp, pp = [(1.0, 0.0, 0.0), (1.5, 0.0, 0.0), (0.7, 0.5, 0.0), (1.0, 1.2, -1.0), (1.3, -0.4, 0.8)][i]
+            prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
+            req = make_request(str(i), prompt=prompt.tolist(), temperature=0.0, repetition_penalty=rp,
+                               frequency_penalty=fp, presence_penalty=pp)
+            num_output = int(torch.randint(0, 12, (1,), generator=g))
+            for t in torch.randint(0, VOCAB, (num_output,), generator=g).tolist():
+                req.append_output_token(t)
+            reqs.append(req)
+        logits = torch.randn(len(reqs), VOCAB) * 2
+        expected = [int(reference_penalties(logits[i], r, r.sampling_params).argmax()) for i, r in enumerate(reqs)]
+        assert sample(reqs, logits.clone()).token_ids == expected
+
+
+def test_min_tokens_bans_only_rows_below_their_minimum():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 0], logits[:, 4], logits[:, 8] = 9.0, 8.0, 1.0
+    reqs = [make_request("a", temperature=0.0, min_tokens=2, stop_token_ids=[4, VOCAB + 5]),
+            make_request("b", temperature=0.0),
+            make_request("c", temperature=0.0, min_tokens=1, stop_token_ids=[4])]
+    reqs[2].append_output_token(8)
+    assert sample(reqs, logits.clone()).token_ids == [8, 0, 0]
+
+
+def test_logprobs_in_a_mixed_batch():
+    torch.manual_seed(4)
+    logits = torch.randn(4, VOCAB)
+    reqs = [make_request("a", temperature=1.0, seed=1, logprobs=0), make_request("b", temperature=0.0),
+            make_request("c", temperature=0.0, logprobs=5, repetition_penalty=3.0),
+            make_request("d", temperature=0.5, logprobs=2)]
+    out = sample(reqs, logits.clone())
+    assert out.logprobs[1] is None
+    for i, n in ((0, 0), (2, 5), (3, 2)):
+        ref = torch.log_softmax(logits[i], -1)  # raw: before penalties and temperature
+        lp = out.logprobs[i]
+        assert list(lp)[0] == out.token_ids[i]
+        assert set(lp) == set(torch.topk(ref, n).indices.tolist()) | {out.token_ids[i]}
+        for tok, val in lp.items():
+            assert val == pytest.approx(float(ref[tok]), abs=1e-5)

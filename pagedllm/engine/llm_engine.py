@@ -127,13 +127,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the current output of every user request that advanced in it."""
         sched = self.scheduler.schedule()
-        sampling, out = self.runner.execute(sched, self.kv_cache_manager.get_block_ids)
+        sampling, out = self.runner.execute(sched, self.kv_cache_manager.get_blocks)
         sampled = {}
         if out is not None:
+            sampled = dict(zip([req.request_id for req in sampling], out.token_ids))
             for req, tok, lp in zip(sampling, out.token_ids, out.logprobs):
-                sampled[req.request_id] = tok
-                if req.logprobs is not None:
+                if lp is not None:
                     req.logprobs.append(lp)
+                    req.cumulative_logprob += lp[tok]
         self.num_generation_tokens += len(sampled)
         self.scheduler.update_from_output(sched, sampled)
         touched: dict[str, _Parent] = {}
@@ -146,28 +147,26 @@ class LLMEngine:
                 if stop is not None and not req.is_finished:
                     req.stop_reason = stop
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        outputs = [self._output(p) for p in touched.values()]
-        for p in touched.values():
-            if p.finished:
-                del self.parents[p.request_id]
-                for c in p.children:
+        outputs = []
+        for parent in touched.values():
+            finished = parent.finished
+            outputs.append(self._output(parent, finished))
+            if finished:
+                del self.parents[parent.request_id]
+                for c in parent.children:
                     del self.child_to_parent[c.request_id]
         return outputs
 
-    def _output(self, parent: _Parent) -> RequestOutput:
-        completions = []
-        for req, detok in zip(parent.children, parent.detokenizers):
-            logprobs = req.logprobs
-            cumulative = None
-            if logprobs is not None:
-                cumulative = sum(lp[t] for lp, t in zip(logprobs, req.output_token_ids))
-            completions.append(CompletionOutput(
-                index=req.index, text=detok.text if detok else "", token_ids=list(req.output_token_ids),
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                logprobs=logprobs, cumulative_logprob=cumulative))
+    def _output(self, parent: _Parent, finished: bool) -> RequestOutput:
+        completions = [
+            CompletionOutput(index=req.index, text=detok.text if detok else "",
+                             token_ids=list(req.output_token_ids), finish_reason=req.status.finish_reason,
+                             stop_reason=req.stop_reason, logprobs=req.logprobs,
+                             cumulative_logprob=None if req.logprobs is None else req.cumulative_logprob)
+            for req, detok in zip(parent.children, parent.detokenizers)]
         first = parent.children[0]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
-                             finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0))
+                             finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0))
 
     # ---- stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -23,12 +23,14 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
 
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 _arrival_counter = itertools.count()
 
@@ -69,8 +71,12 @@ class Request:
         self.stop_reason: int | str | None = None
         # Per-token logprobs: list of {token_id: logprob} (only when sampling_params.logprobs is set).
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
-        # Sampling state owned by the sampler (seeded generator, output counts for penalties).
+        # Sum of the sampled tokens' logprobs (meaningful only with logprobs).
+        self.cumulative_logprob = 0.0
+        # Sampling state owned by the sampler (seeded generator, token ids for penalties).
         self.sampler_state: Any = None
+        # The model runner's copy of this request's block ids, so a step need not walk all its blocks.
+        self.block_row: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -103,7 +109,8 @@ class Request:
         """
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        num_output = len(self.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -111,7 +118,7 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
-        if self.num_output_tokens >= self.max_tokens:
+        if num_output >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -138,13 +138,15 @@ class Scheduler:
             # Finished from outside after the model ran (an abort): its blocks are already gone.
             if request.is_finished or not item.sample:
                 continue
-            if request.request_id not in sampled:
+            token = sampled.get(request.request_id)
+            if token is None:
                 raise ValueError(f"request {request.request_id!r} completed its tokens this step but no "
                                  f"sampled token was given for it")
-            request.append_output_token(sampled[request.request_id])
-            if not request.check_stop() and request.num_tokens >= self.max_model_len:
+            request.append_output_token(token)
+            if request.check_stop():
+                finished.append(request)
+            elif request.num_tokens >= self.max_model_len:
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            if request.is_finished:
                 finished.append(request)
         if finished:
             self.running = [r for r in self.running if not r.is_finished]

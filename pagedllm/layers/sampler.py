@@ -1,15 +1,24 @@
 """Token sampling for one step: penalties, min_tokens, greedy/temperature, top-k/top-p/min-p, logprobs.
 
-Random rows sample with the exponential-race trick (argmax of probs / Exp(1) noise). A seeded request draws
-its noise from its own generator, so its tokens do not depend on what else is in the batch.
+The batch is processed at once on the logits' device. A plain greedy step is one argmax; otherwise the host
+sends the step's parameters as one float table and one packed int tensor (a host->device copy each) and
+reads back only the sampled ids and any requested logprobs. Top-k ranks only the batch's largest k logits;
+the whole vocabulary is sorted only for a row with top-p and no top-k. Random rows sample with the
+exponential-race trick (argmax of probs / Exp(1) noise). A seeded request draws its noise from its own
+generator, so its tokens do not depend on what else is in the batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+# Columns of the per-step parameter table, one row per request.
+_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(7)
 
 
 @dataclass
@@ -19,109 +28,205 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+@dataclass
+class _Rows:
+    """A subset of a batch's rows as a device index; a subset holding every row skips the indexing."""
+    index: torch.Tensor
+    every: bool
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.every else t[self.index]
+
+    def put(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """t with the subset's rows replaced by rows (in place unless every row is replaced)."""
+        if self.every:
+            return rows
+        t[self.index] = rows
+        return t
+
+
+class _RequestState:
+    """What the sampler keeps on a request (request.sampler_state) from step to step."""
+
+    def __init__(self, device: torch.device, request: Request) -> None:
+        self.generator = None
+        seed = request.sampling_params.seed
+        if seed is not None:
+            self.generator = torch.Generator(device=device)
+            # Samples of one request must differ, so each index gets its own stream.
+            self.generator.manual_seed(seed + request.index)
+        self._token_ids = np.empty(0, dtype=np.int64)
+        self._num_tokens = 0
+
+    def all_token_ids(self, request: Request) -> np.ndarray:
+        """request.all_token_ids as an array, converting only the tokens appended since the last call (a
+        request's tokens only ever grow)."""
+        n, old = request.num_tokens, self._num_tokens
+        if n > len(self._token_ids):
+            grown = np.empty(max(n, 2 * len(self._token_ids)), dtype=np.int64)
+            grown[:old] = self._token_ids[:old]
+            self._token_ids = grown
+        self._token_ids[old:n] = request.all_token_ids[old:n]
+        self._num_tokens = n
+        return self._token_ids[:n]
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def _request_generator(self, request: Request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
+    def _state(self, request: Request) -> _RequestState:
         if request.sampler_state is None:
-            g = torch.Generator(device=self.device)
-            # Samples of one request must differ, so each index gets its own stream.
-            g.manual_seed(seed + request.index)
-            request.sampler_state = g
+            request.sampler_state = _RequestState(self.device, request)
         return request.sampler_state
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t
+        # Pinned, so the copy neither blocks the host nor waits for the GPU to drain the model's kernels.
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _upload_ints(self, *parts: list[int] | np.ndarray) -> list[torch.Tensor]:
+        """Several int sequences as int64 tensors on the device, in one copy."""
+        flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in parts])
+        return list(self._to_device(torch.from_numpy(flat)).split([len(x) for x in parts]))
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        logits = logits.float()
+        """Samples one token per row of logits [len(requests), vocab]; may modify logits in place."""
         params = [r.sampling_params for r in requests]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-
-        for i, (r, p) in enumerate(zip(requests, params)):
-            if p.has_penalties:
-                _apply_penalties(logits[i], r, p)
-            if r.num_output_tokens < p.min_tokens:
-                banned = list(r.eos_token_ids) + p.stop_token_ids
-                if banned:
-                    logits[i, banned] = float("-inf")
-
-        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        min_tokens_rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens]
+        if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows):
+            # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+
+        logits = logits.float()
+        batch, vocab = logits.shape
+        table = self._to_device(_param_table(params))
+        # Positions among the random rows of those with top-k or top-p.
+        filtered_rows = [j for j, i in enumerate(random_rows) if params[i].top_k > 0 or params[i].top_p < 1.0]
+        penalised = [requests[i] for i in penalty_rows]
+        penalised_tokens = [self._state(r).all_token_ids(r) for r in penalised]
+        # min_tokens bans EOS and stop tokens; ids outside the vocabulary could never be sampled anyway.
+        banned = [(i, t) for i in min_tokens_rows
+                  for t in (*requests[i].eos_token_ids, *params[i].stop_token_ids) if t < vocab]
+        (random_idx, filtered_idx, penalty_idx, logprob_idx, ban_rows, ban_tokens, penalty_tokens,
+         penalty_num_tokens, penalty_num_prompt) = self._upload_ints(
+            random_rows, filtered_rows, penalty_rows, logprob_rows, [i for i, _ in banned], [t for _, t in banned],
+            np.concatenate(penalised_tokens) if penalised else [],
+            [r.num_tokens for r in penalised], [r.num_prompt_tokens for r in penalised])
+
+        raw_logprobs = torch.log_softmax(logits[logprob_idx], dim=-1) if logprob_rows else None
+        if penalty_rows:
+            rows = _Rows(penalty_idx, len(penalty_rows) == batch)
+            logits = rows.put(logits, _apply_penalties(rows.take(logits), rows.take(table), penalty_tokens,
+                                                       penalty_num_tokens, penalty_num_prompt))
+        if banned:
+            logits[ban_rows, ban_tokens] = float("-inf")
+
+        random = _Rows(random_idx, len(random_rows) == batch)
+        tokens = None if random.every else logits.argmax(dim=-1)
         if random_rows:
-            sampled = self._sample(logits[random_rows], [requests[i] for i in random_rows])
-            tokens[random_rows] = sampled
-        token_list = tokens.tolist()
+            sampled = self._sample(random.take(logits), random.take(table), [requests[i] for i in random_rows],
+                                   _Rows(filtered_idx, len(filtered_rows) == len(random_rows)),
+                                   [params[random_rows[j]].top_k for j in filtered_rows])
+            tokens = random.put(tokens, sampled)
+        if not logprob_rows:
+            return SamplerOutput(tokens.tolist(), [None] * batch)
+        return self._with_logprobs(tokens, raw_logprobs, logprob_idx, [params[i].logprobs for i in logprob_rows],
+                                   logprob_rows, batch)
 
-        logprobs: list[dict[int, float] | None] = [None] * len(requests)
-        for i, p in enumerate(params):
-            if want_logprobs[i]:
-                row = raw_logprobs[i]
-                entry = {token_list[i]: float(row[token_list[i]])}
-                if p.logprobs > 0:
-                    top = torch.topk(row, p.logprobs)
-                    for tok, lp in zip(top.indices.tolist(), top.values.tolist()):
-                        entry.setdefault(tok, lp)
-                logprobs[i] = entry
-        return SamplerOutput(token_list, logprobs)
-
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        dev = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
-        logits = logits / temperature.unsqueeze(1)
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(m > 0.0 for m in min_p):
-            threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=dev).unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-
-        noise = torch.empty_like(probs)
-        unseeded = []
+    def _sample(self, logits: torch.Tensor, table: torch.Tensor, requests: list[Request], filtered: _Rows,
+                filtered_top_k: list[int]) -> torch.Tensor:
+        """Random rows: the exponential race over their filtered probabilities."""
+        probs = _sampling_probs(logits, table, filtered, filtered_top_k,
+                                any(r.sampling_params.min_p > 0.0 for r in requests))
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(requests):
-            g = self._request_generator(r)
-            if g is None:
-                unseeded.append(i)
-            else:
-                noise[i].exponential_(generator=g)
-        if unseeded:
-            noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=self.generator)
+            if r.sampling_params.seed is not None:
+                noise[i].exponential_(generator=self._state(r).generator)
         return (probs / noise).argmax(dim=-1)
 
+    def _with_logprobs(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor, logprob_idx: torch.Tensor,
+                       num_top: list[int], rows: list[int], batch: int) -> SamplerOutput:
+        """Logprobs of the sampled token and of each row's top num_top tokens, read back with the tokens."""
+        sampled = raw_logprobs.gather(1, tokens[logprob_idx].unsqueeze(1)).squeeze(1)
+        top = raw_logprobs.topk(max(num_top), dim=-1)
+        token_list = tokens.tolist()
+        sampled_list, top_values, top_ids = sampled.tolist(), top.values.tolist(), top.indices.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * batch
+        for j, (i, n) in enumerate(zip(rows, num_top)):
+            entry = {token_list[i]: sampled_list[j]}
+            for tok, lp in zip(top_ids[j][:n], top_values[j][:n]):
+                entry.setdefault(tok, lp)
+            logprobs[i] = entry
+        return SamplerOutput(token_list, logprobs)
 
-def _apply_penalties(row: torch.Tensor, request: Request, p) -> None:
-    """vLLM semantics: repetition over prompt + output tokens; presence/frequency over output tokens only."""
-    vocab = row.shape[0]
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-        seen[torch.tensor(request.all_token_ids, device=row.device)] = True
-        penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row.copy_(torch.where(seen, penalised, row))
-    if request.output_token_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
-        out = torch.tensor(request.output_token_ids, device=row.device)
-        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+def _param_table(params: list[SamplingParams]) -> torch.Tensor:
+    return torch.tensor([(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+                          p.presence_penalty) for p in params], dtype=torch.float32)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def _sampling_probs(logits: torch.Tensor, table: torch.Tensor, filtered: _Rows, filtered_top_k: list[int],
+                    min_p: bool) -> torch.Tensor:
+    """Probabilities of random rows after temperature, top-k/top-p (on the filtered rows: their top_k values
+    are filtered_top_k) and min-p (when min_p is set)."""
+    logits = logits / table[:, _TEMPERATURE:_TEMPERATURE + 1]
+    if filtered_top_k:
+        # Ranking the whole vocabulary is needed only for a row that has top-p without top-k.
+        max_k = None if min(filtered_top_k) < 0 else max(filtered_top_k)
+        logits = filtered.put(logits, _top_k_top_p(filtered.take(logits), filtered.take(table), max_k))
+    probs = torch.softmax(logits, dim=-1)
+    if min_p:
+        threshold = probs.max(dim=-1, keepdim=True).values * table[:, _MIN_P:_MIN_P + 1]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _apply_penalties(logits: torch.Tensor, table: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor,
+                     num_prompt: torch.Tensor) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt + output tokens; presence/frequency over output tokens only.
+
+    tokens holds each row's prompt + output ids back to back (num_tokens per row, num_prompt of them prompt).
+    """
+    rows, vocab = logits.shape
     dev = logits.device
+    row_of = torch.repeat_interleave(torch.arange(rows, device=dev), num_tokens, output_size=tokens.shape[0])
+    start = torch.cumsum(num_tokens, 0) - num_tokens
+    is_output = torch.arange(tokens.shape[0], device=dev) - start[row_of] >= num_prompt[row_of]
+    flat = row_of * vocab + tokens
+    seen = torch.zeros(rows * vocab, dtype=torch.bool, device=dev).index_fill_(0, flat, True).view(rows, vocab)
+    # Adding 0 for prompt tokens instead of selecting the output ones keeps the host out of it (no nonzero).
+    counts = torch.zeros(rows * vocab, device=dev).index_add_(0, flat, is_output.float()).view(rows, vocab)
+
+    repetition = table[:, _REPETITION:_REPETITION + 1]
+    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - (table[:, _FREQUENCY:_FREQUENCY + 1] * counts
+                     + table[:, _PRESENCE:_PRESENCE + 1] * (counts > 0).float())
+
+
+def _top_k_top_p(logits: torch.Tensor, table: torch.Tensor, max_k: int | None) -> torch.Tensor:
+    """Keeps each row's top_k tokens (top_k < 0: all), then the smallest prefix of them holding top_p of
+    their mass; the rest become -inf. With max_k (>= every row's top_k) only the max_k largest logits are
+    ranked, with torch.topk; max_k None sorts the whole vocabulary."""
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=dev).clamp(max=vocab)
-    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    top_k, top_p = table[:, _TOP_K], table[:, _TOP_P]
+    if max_k is None:
+        ranked, ranked_idx = logits.sort(dim=-1, descending=True)
+    else:
+        ranked, ranked_idx = logits.topk(min(max_k, vocab), dim=-1)
+    k = torch.where(top_k > 0, top_k, vocab)
+    ranks = torch.arange(ranked.shape[-1], device=logits.device)
     mask = ranks >= k.unsqueeze(1)
-    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
-    # Drop a token once the mass before it already reaches top_p; the first token always stays.
+    probs = torch.softmax(ranked.masked_fill(mask, float("-inf")), dim=-1)
+    # Drop a token once the mass before it already reaches top_p; the first token always stays. top_p = 1
+    # keeps everything, even where float rounding lets the running mass reach 1 before the last token.
     mass_before = probs.cumsum(dim=-1) - probs
-    mask |= mass_before >= torch.tensor(top_p, device=dev).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    mask |= mass_before >= torch.where(top_p < 1.0, top_p, float("inf")).unsqueeze(1)
+    return torch.full_like(logits, float("-inf")).scatter_(1, ranked_idx, ranked.masked_fill(mask, float("-inf")))

@@ -1,9 +1,10 @@
 """CUDA graphs of the decode-only forward pass, one per batch size of a ladder.
 
 A decode step launches a few kernels per layer, each shorter than Python's launch cost, so the step is
-captured once per batch size and replayed. The graphs read static buffers: a step copies its inputs into
-them, and a batch is padded up to the next captured size with rows that write no KV (slot -1) and attend
-to nothing (seq_len 0). Captured with max_seq_len = max_model_len so one graph serves every context length.
+captured once per batch size and replayed. The graphs read static buffers: a step copies its host inputs,
+already padded up to the next captured size with rows that write no KV (slot -1) and attend to nothing
+(seq_len 0), straight into them. Captured with max_seq_len = max_model_len so one graph serves every
+context length.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, math.ceil(max_model_len / block_size), dtype=torch.int32,
                                         device=device)
+        # Lands a step's narrower host block table on the device first: copying it from the host straight
+        # into the wider static table would make torch allocate a contiguous temporary.
+        self.block_table_staging = torch.zeros(self.block_tables.numel(), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -60,18 +64,21 @@ class DecodeGraphs:
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of a decode-only step of len(input_ids) sequences (see fits)."""
-        n = input_ids.shape[0]
-        bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(meta.decode_seq_lens)
-        self.seq_lens[n:bs].fill_(0)
-        width = meta.decode_block_tables.shape[1]
+    def padded_size(self, num_seqs: int) -> int:
+        """The captured batch size a decode step of num_seqs sequences runs at (see fits)."""
+        return next(s for s in self.sizes if s >= num_seqs)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """Hidden states of a decode-only step from its host inputs, already padded to a captured size."""
+        bs = input_ids.shape[0]
+        for static, host in ((self.input_ids, input_ids), (self.positions, positions),
+                             (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
+            static[:bs].copy_(host, non_blocking=True)
+        width = block_tables.shape[1]
+        staged = self.block_table_staging[:bs * width].view(bs, width)
+        staged.copy_(block_tables, non_blocking=True)
         # Entries past a row's width are stale but never read: kernels stop at ceil(seq_len / block_size).
-        self.block_tables[:n, :width].copy_(meta.decode_block_tables)
+        self.block_tables[:bs, :width].copy_(staged)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.outputs[bs]

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pagedllm import ops
 from pagedllm.config import EngineConfig
+from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
@@ -26,6 +29,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = dtype
         self.block_size = config.block_size
+        self.max_blocks_per_seq = math.ceil(config.max_model_len / config.block_size)
         self.sampler = Sampler(self.device, config.seed)
         self.sparse_prefill = None
         if config.sparse_prefill == "xattention":
@@ -82,68 +86,149 @@ class ModelRunner:
                              torch.zeros(value_shape, dtype=cache_dtype, device=self.device),
                              self.config.kv_cache_dtype, scale, scale)
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+    def _host(self, array: np.ndarray) -> torch.Tensor:
+        """array as a CPU tensor; pinned when it is bound for the GPU, so its copy is truly asynchronous (the
+        caching host allocator keeps the pinned block from reuse until the copy has run)."""
+        t = torch.from_numpy(array)
+        return t.pin_memory() if self.device.type == "cuda" else t
 
-    def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        return self._tensor([r + [0] * (width - len(r)) for r in rows], torch.int32)
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return self._host(array).to(self.device, non_blocking=True)
 
-    def prepare(self, items: list[ScheduledRequest], block_ids_of: Callable[[Request], list[int]]):
-        """Flat inputs of one step; items must have the decodes (one new token) first."""
+    def prepare(self, items: list[ScheduledRequest], blocks_of: Callable[[Request], list[KVCacheBlock]],
+                num_rows: int = 0) -> StepInputs:
+        """One step's flat inputs on the host; items must have the decodes (one new token) first.
+
+        num_rows pads a decode-only step to that many rows for a CUDA graph: the extra rows write no KV
+        (slot -1) and attend to nothing (seq_len 0).
+        """
         bs = self.block_size
-        input_ids, positions, slots, logits_indices = [], [], [], []
-        tables, seq_lens, query_start = [], [], [0]
-        num_decodes = sum(1 for it in items if it.num_new_tokens == 1)
-        for it in items:
-            req, start = it.request, it.num_computed_tokens
-            end = start + it.num_new_tokens
-            block_ids = block_ids_of(req)
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            if it.sample:
-                logits_indices.append(len(input_ids) - 1)
-            tables.append(block_ids[:math.ceil(end / bs)])
-            seq_lens.append(end)
-            if len(tables) > num_decodes:
-                query_start.append(query_start[-1] + it.num_new_tokens)
-        d, p = slice(0, num_decodes), slice(num_decodes, len(items))
-        has_prefill = num_decodes < len(items)
-        prefill_max_seq_len = max(seq_lens[p], default=0)
+        num_decodes = next((i for i, it in enumerate(items) if it.num_new_tokens != 1), len(items))
+        starts = np.array([it.num_computed_tokens for it in items], dtype=np.int64)
+        num_new = np.array([it.num_new_tokens for it in items], dtype=np.int64)
+        seq_lens = starts + num_new
+        rows = [_block_row(it.request, blocks_of(it.request), self.max_blocks_per_seq) for it in items]
+        widths = -(-seq_lens // bs)
+
+        # Decodes: one token each, so every per-token array is a per-row array.
+        d = slice(0, num_decodes)
+        num_rows = max(num_rows, num_decodes)
+        decode_table = _block_table(rows[d], widths[d], num_rows)
+        input_ids = np.zeros(num_rows, dtype=np.int64)
+        input_ids[d] = [it.request.all_token_ids[it.num_computed_tokens] for it in items[d]]
+        positions = np.zeros(num_rows, dtype=np.int64)
+        positions[d] = starts[d]
+        slots = np.full(num_rows, -1, dtype=np.int64)
+        slots[d] = decode_table[np.arange(num_decodes), starts[d] // bs] * bs + starts[d] % bs
+        decode_seq_lens = np.zeros(num_rows, dtype=np.int32)
+        decode_seq_lens[d] = seq_lens[d]
+
+        # Prefills: a run of tokens each.
+        p = slice(num_decodes, len(items))
+        prefill_ids, prefill_positions, prefill_slots = [], [], []
+        for it, row, start, end in zip(items[p], rows[p], starts[p].tolist(), seq_lens[p].tolist()):
+            pos = np.arange(start, end)
+            prefill_ids.append(np.array(it.request.all_token_ids[start:end], dtype=np.int64))
+            prefill_positions.append(pos)
+            prefill_slots.append(row[pos // bs] * bs + pos % bs)
+
+        sample = np.array([it.sample for it in items], dtype=bool)
+        return StepInputs(
+            input_ids=np.concatenate([input_ids, *prefill_ids]),
+            positions=np.concatenate([positions, *prefill_positions]),
+            slot_mapping=np.concatenate([slots, *prefill_slots]), num_decodes=num_decodes,
+            decode_block_tables=decode_table, decode_seq_lens=decode_seq_lens,
+            prefill_block_tables=_block_table(rows[p], widths[p], len(items) - num_decodes),
+            prefill_seq_lens=seq_lens[p].astype(np.int32),
+            prefill_query_start_loc=np.concatenate([[0], np.cumsum(num_new[p])]).astype(np.int32),
+            logits_indices=(np.cumsum(num_new) - 1)[sample],
+        )
+
+    def _metadata(self, step: StepInputs) -> AttentionMetadata:
+        has_decode, has_prefill = step.num_decodes > 0, len(step.prefill_seq_lens) > 0
+        prefill_max_seq_len = int(step.prefill_seq_lens.max(initial=0))
         long_prefill = prefill_max_seq_len >= self.config.xattn_min_prompt_len
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=self._block_table(tables[d]) if num_decodes else None,
-            decode_seq_lens=self._tensor(seq_lens[d], torch.int32) if num_decodes else None,
-            decode_max_seq_len=max(seq_lens[d], default=0),
-            prefill_block_tables=self._block_table(tables[p]) if has_prefill else None,
-            prefill_seq_lens=self._tensor(seq_lens[p], torch.int32) if has_prefill else None,
-            prefill_query_start_loc=self._tensor(query_start, torch.int32) if has_prefill else None,
-            prefill_max_query_len=max((it.num_new_tokens for it in items[p]), default=0),
+        return AttentionMetadata(
+            slot_mapping=self._to_device(step.slot_mapping),
+            num_decode_tokens=step.num_decodes,
+            decode_block_tables=self._to_device(step.decode_block_tables) if has_decode else None,
+            decode_seq_lens=self._to_device(step.decode_seq_lens) if has_decode else None,
+            decode_max_seq_len=int(step.decode_seq_lens.max(initial=0)),
+            prefill_block_tables=self._to_device(step.prefill_block_tables) if has_prefill else None,
+            prefill_seq_lens=self._to_device(step.prefill_seq_lens) if has_prefill else None,
+            prefill_query_start_loc=self._to_device(step.prefill_query_start_loc) if has_prefill else None,
+            prefill_max_query_len=int(np.diff(step.prefill_query_start_loc).max(initial=0)),
             prefill_max_seq_len=prefill_max_seq_len,
             sparse_prefill=self.sparse_prefill if long_prefill else None,
         )
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                self._tensor(logits_indices, torch.int64))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ids_of: Callable[[Request], list[int]]
+    def execute(self, sched: SchedulerOutput, blocks_of: Callable[[Request], list[KVCacheBlock]]
                 ) -> tuple[list[Request], SamplerOutput | None]:
         """Runs one step; returns the requests that sample a token this step and what they sampled."""
         items = sorted(sched.scheduled, key=lambda it: it.num_new_tokens != 1)
         if not items:
             return [], None
-        input_ids, positions, meta, logits_indices = self.prepare(items, block_ids_of)
-        num_tokens = input_ids.shape[0]
-        if self.graphs is not None and meta.num_decode_tokens == num_tokens and self.graphs.fits(num_tokens):
-            hidden = self.graphs.run(input_ids, positions, meta)
+        decode_only = items[-1].num_new_tokens == 1
+        if self.graphs is not None and decode_only and self.graphs.fits(len(items)):
+            step = self.prepare(items, blocks_of, self.graphs.padded_size(len(items)))
+            hidden = self.graphs.run(*(self._host(a) for a in (
+                step.input_ids, step.positions, step.slot_mapping, step.decode_seq_lens,
+                step.decode_block_tables)))[:len(items)]
         else:
+            step = self.prepare(items, blocks_of)
+            meta = self._metadata(step)
             with set_forward_context(meta):
-                hidden = self.model(input_ids, positions)
+                hidden = self.model(self._to_device(step.input_ids), self._to_device(step.positions))
         sampling = [it.request for it in items if it.sample]
         if not sampling:
             return [], None
-        logits = self.model.compute_logits(hidden[logits_indices])
+        logits = self.model.compute_logits(hidden[self._to_device(step.logits_indices)])
         return sampling, self.sampler(logits, sampling)
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs as host arrays, laid out as AttentionMetadata describes them. A decode-only
+    step padded for a CUDA graph has more decode rows than scheduled requests."""
+    input_ids: np.ndarray  # int64 per token
+    positions: np.ndarray  # int64 per token
+    slot_mapping: np.ndarray  # int64 per token
+    num_decodes: int
+    decode_block_tables: np.ndarray  # int32 [decode rows, blocks]
+    decode_seq_lens: np.ndarray  # int32 per decode row
+    prefill_block_tables: np.ndarray  # int32 [prefills, blocks]
+    prefill_seq_lens: np.ndarray  # int32 per prefill
+    prefill_query_start_loc: np.ndarray  # int32 [prefills + 1]
+    logits_indices: np.ndarray  # int64: the tokens whose logits are sampled
+
+
+class _BlockRow:
+    """A request's block ids as a numpy row of max_blocks_per_seq entries, extended as its block list grows.
+
+    KVCacheManager only appends to a request's block list and drops the list when it frees the request
+    (finish or preemption), so the row stays valid while it mirrors the same list object.
+    """
+    __slots__ = ("blocks", "ids", "count")
+
+    def __init__(self, blocks: list[KVCacheBlock], capacity: int) -> None:
+        self.blocks, self.ids, self.count = blocks, np.zeros(capacity, dtype=np.int64), 0
+
+
+def _block_row(request: Request, blocks: list[KVCacheBlock], capacity: int) -> np.ndarray:
+    """The request's block ids, followed by zeros up to capacity."""
+    row = request.block_row
+    if row is None or row.blocks is not blocks:
+        row = request.block_row = _BlockRow(blocks, capacity)
+    if row.count < len(blocks):
+        row.ids[row.count:len(blocks)] = [b.block_id for b in blocks[row.count:]]
+        row.count = len(blocks)
+    return row.ids
+
+
+def _block_table(rows: list[np.ndarray], widths: np.ndarray, num_rows: int) -> np.ndarray:
+    """int32 [num_rows, widest row's width]: the rows, then zero rows."""
+    table = np.zeros((num_rows, int(widths.max(initial=0))), dtype=np.int32)
+    if rows:
+        np.stack([row[:table.shape[1]] for row in rows], out=table[:len(rows)], casting="same_kind")
+    return table
