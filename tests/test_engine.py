@@ -189,3 +189,15 @@ def test_xattention_prefill_at_threshold_one_equals_dense(llm, prompts, monkeypa
     assert token_ids(sparse.generate(workload, GREEDY, use_tqdm=False)) == \
         token_ids(llm.generate(workload, GREEDY, use_tqdm=False))
     assert calls  # the long prefills really went through XAttention
+
+
+def test_final_only_steps_return_each_request_once_when_finished(llm):
+    engine = llm.engine
+    for rid, n in (("short", 1), ("long", 4)):
+        engine.add_request(rid, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        outs = engine.step(final_only=True)
+        assert all(o.finished for o in outs)
+        seen += [(o.request_id, len(o.outputs[0].token_ids)) for o in outs]
+    assert sorted(seen) == [("long", 4), ("short", 1)]

@@ -124,8 +124,9 @@ class LLMEngine:
         return bool(self.parents)
 
     # ---- stepping -------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the current output of every user request that advanced in it."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Runs one step; returns the current output of every user request that advanced in it, or with
+        final_only (vLLM's FINAL_ONLY output kind, what LLM.generate needs) of those that finished."""
         sched = self.scheduler.schedule()
         sampling, out = self.runner.execute(sched, self.kv_cache_manager.get_blocks)
         sampled = {}
@@ -150,7 +151,8 @@ class LLMEngine:
         outputs = []
         for parent in touched.values():
             finished = parent.finished
-            outputs.append(self._output(parent, finished))
+            if finished or not final_only:
+                outputs.append(self._output(parent, finished))
             if finished:
                 del self.parents[parent.request_id]
                 for c in parent.children:
