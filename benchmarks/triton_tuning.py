@@ -4,7 +4,8 @@ the measurements behind `decode._config`, `decode.split_plan` and `prefill._conf
 Decode: for every shape of benchmarks/kernels.py, each (BLOCK_N, num_warps, num_stages) with the split
 `split_plan` picks, then the best tile with every partition size. Prefill: each (BLOCK_M, BLOCK_N, warps,
 stages) at 16K new tokens, then the best at every prefill shape. Prints markdown; JSON to --out.
-`--profile decode|prefill` instead runs one shape a few times for Nsight Compute to attach to.
+`--small` sweeps only the partition size of short, small-batch decodes (the latency-bound end of
+`pagedllm bench latency`). `--profile decode|prefill` instead runs one shape a few times for Nsight Compute.
 
     python benchmarks/triton_tuning.py --out sweep.json
     ncu --clock-control none -k regex:_decode_kernel -s 3 -c 1 python benchmarks/triton_tuning.py --profile decode
@@ -28,6 +29,8 @@ from pagedllm.ops.triton import _host, decode, prefill  # noqa: E402
 DECODE_TILES = [(32, 2, 3), (32, 4, 3), (64, 2, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
                 (128, 4, 3), (128, 8, 2), (128, 8, 3)]  # (BLOCK_N, num_warps, num_stages)
 PART_TOKENS = [0, 256, 512, 1024, 2048, 4096]  # 0: single pass
+SMALL_DECODE_SHAPES = [(16, 8, b, 1024) for b in (1, 4, 16, 64)]  # Qwen3-0.6B's heads at its bench context
+SMALL_PART_TOKENS = [0, 128, 256, 512, 1024]
 PREFILL_TILES = [(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 4, 4),
                  (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)]  # (M, N, warps, stages)
 
@@ -73,6 +76,21 @@ def sweep_decode():
             print(f"| {shape} | {layout} | {row['tiles_tbps'][str(DECODE_TILES[4])]:.2f} | {best} "
                   f"{row['tiles_tbps'][str(best)]:.2f} | {best_split} {row['best_tbps']:.2f} |", flush=True)
             torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_small_decode():
+    """Partition sizes of short small-batch decodes at the configured tile, where launch and per-program
+    latency, not bandwidth, set the time."""
+    rows = []
+    tile = decode._config(torch.empty(1, device="cuda"), HEAD, BLOCK)
+    for shape in SMALL_DECODE_SHAPES:
+        run, kv_bytes = _decode_runner(*shape, "hnd", torch.Generator(device="cuda").manual_seed(0))
+        us = {p: 1e3 * _time_graph_ms(run(*tile, p)) for p in SMALL_PART_TOKENS if p < shape[3]}
+        auto = 1e3 * _time_graph_ms(run(*tile))
+        rows.append({"shape": list(shape), "tile": list(tile), "split_us": {str(p): t for p, t in us.items()},
+                     "auto_us": auto})
+        print(f"| {shape} | {auto:.1f} | " + " | ".join(f"{p}: {t:.1f}" for p, t in us.items()) + " |", flush=True)
     return rows
 
 
@@ -124,19 +142,25 @@ def main():
     parser.add_argument("--out", default="triton_tuning.json")
     parser.add_argument("--profile", choices=["decode", "prefill"])
     parser.add_argument("--layout", choices=KV_CACHE_LAYOUTS, default="hnd")
+    parser.add_argument("--small", action="store_true")
     args = parser.parse_args()
     if args.profile:
         return profile(args.profile, args.layout)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = {"date": now.isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__}
+    if args.small:
+        print("| decode shape | auto us | us per partition size (0: single pass) |\n|---|---|---|", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({**meta, "small_decode": sweep_small_decode()}, f, indent=1)
+        return print(f"wrote {args.out}")
     print(f"| decode shape | layout | TB/s at {DECODE_TILES[4]} | best tile, TB/s | best partition, TB/s |\n"
           "|---|---|---|---|---|", flush=True)
     decode_rows = sweep_decode()
     print("\n| prefill tokens | cached | layout | default TFLOP/s | best tile, TFLOP/s |\n|---|---|---|---|---|")
     prefill_rows = sweep_prefill()
-    now = datetime.datetime.now(datetime.timezone.utc)
     with open(args.out, "w") as f:
-        json.dump({"date": now.isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "triton": triton.__version__, "decode": decode_rows,
-                   "prefill": prefill_rows}, f, indent=1)
+        json.dump({**meta, "decode": decode_rows, "prefill": prefill_rows}, f, indent=1)
     print(f"wrote {args.out}")
 
 
