@@ -89,10 +89,10 @@ class StepTimer:
 
     def _timed_step(self, step):
         @functools.wraps(step)
-        def wrapper():
+        def wrapper(*args, **kwargs):
             self.current.clear()
             t0 = time.perf_counter()
-            outputs = step()
+            outputs = step(*args, **kwargs)
             total = time.perf_counter() - t0
             c = self.current
             times = {

@@ -15,11 +15,14 @@ from . import _host
 from .paged_tile import LN2, LOG2E, attend_tile, load_scale
 
 # Split-K choice, from benchmarks/triton_tuning.py on the H100 ("hnd" cache, bf16, head 128, tile 64/2 warps):
-# (sequence, kv head) programs alone fill the GPU from 2 per SM; below that, splitting toward 4 per SM pays,
-# but partitions under ~1024 tokens lose more to their fixed cost and the reduce than they gain.
+# (sequence, kv head) programs alone fill the GPU from 2 per SM; below that, splitting toward 4 per SM pays.
+# Long contexts want partitions of >= 1024 tokens (shorter ones lose more to their fixed cost and the
+# reduce than they gain: 1 x 32K runs at 2.33 TB/s with 1024, 1.86 with 256), while short latency-bound
+# ones want them small (1 x 1K: 9 us with 128 tokens, 22 us in one pass), so the floor scales with the
+# context: max_seq_len / 32, clamped to [128, 1024].
 _SINGLE_PASS_PROGRAMS_PER_SM = 2
 _TARGET_PROGRAMS_PER_SM = 4
-_MIN_SPLIT_TOKENS = 1024
+_SPLIT_TOKENS_FLOOR = (128, 1024)
 
 
 @triton.jit
@@ -218,13 +221,15 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
 
 def split_plan(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int):
     """(num_partitions, partition_tokens) for `paged_attention`. Split-K only when (sequence, kv head)
-    programs alone cannot fill the GPU; partitions are whole tiles and at least _MIN_SPLIT_TOKENS long."""
+    programs alone cannot fill the GPU; partitions are whole tiles, no shorter than the floor above."""
     programs = num_seqs * num_kv_heads
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     if programs >= _SINGLE_PASS_PROGRAMS_PER_SM * num_sms:
         return 1, tiles * block_n
     want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, programs)
-    parts = max(1, min(want, tiles // triton.cdiv(_MIN_SPLIT_TOKENS, block_n)))
+    low, high = _SPLIT_TOKENS_FLOOR
+    floor = min(max(max_seq_len // 32, low), high)
+    parts = max(1, min(want, tiles // triton.cdiv(floor, block_n)))
     part_tokens = triton.cdiv(tiles, parts) * block_n
     return triton.cdiv(max(max_seq_len, 1), part_tokens), part_tokens
 
