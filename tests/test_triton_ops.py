@@ -121,7 +121,10 @@ def test_split_plan():
     assert parts > 8 and tokens % 64 == 0 and parts * tokens >= 32768 > (parts - 1) * tokens
     # Enough pairs to fill the GPU, or too short to be worth it: single pass.
     assert split_plan(256, 8, 2048, 64, 132)[0] == 1
-    assert split_plan(4, 8, 200, 64, 132)[0] == 1
+    assert split_plan(4, 8, 100, 64, 132)[0] == 1
+    # Short contexts split finer than long ones (the floor scales with the context).
+    assert split_plan(1, 8, 1024, 64, 132) == (8, 128)
+    assert split_plan(1, 8, 32768, 64, 132)[1] == 1024
 
 
 @pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
