@@ -16,13 +16,14 @@ from .paged_tile import LN2, LOG2E, attend_tile, load_scale
 
 # Split-K choice, from benchmarks/triton_tuning.py on the H100 ("hnd" cache, bf16, head 128, tile 64/2 warps):
 # (sequence, kv head) programs alone fill the GPU from 2 per SM; below that, splitting toward 4 per SM pays.
-# Long contexts want partitions of >= 1024 tokens (shorter ones lose more to their fixed cost and the
-# reduce than they gain: 1 x 32K runs at 2.33 TB/s with 1024, 1.86 with 256), while short latency-bound
-# ones want them small (1 x 1K: 9 us with 128 tokens, 22 us in one pass), so the floor scales with the
-# context: max_seq_len / 32, clamped to [128, 1024].
+# Partitions have a floor that grows with the work (programs x context, in head-tokens): big decodes want
+# >= 1024 tokens (shorter ones lose more to their fixed cost and the reduce than they gain: 1 x 32K runs at
+# 2.33 TB/s with 1024, 1.86 with 256; 16 x 4K at 2.71 with 4 x 1024, 2.40 with 5 x 832), while small
+# latency-bound ones want them short (1 x 1K: 9 us with 128 tokens, 22 us in one pass).
 _SINGLE_PASS_PROGRAMS_PER_SM = 2
 _TARGET_PROGRAMS_PER_SM = 4
-_SPLIT_TOKENS_FLOOR = (128, 1024)
+_SPLIT_FLOOR_TOKENS = (128, 1024)
+_SPLIT_FLOOR_WORK = 256  # head-tokens of work per token of floor
 
 
 @triton.jit
@@ -227,8 +228,8 @@ def split_plan(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
     if programs >= _SINGLE_PASS_PROGRAMS_PER_SM * num_sms:
         return 1, tiles * block_n
     want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, programs)
-    low, high = _SPLIT_TOKENS_FLOOR
-    floor = min(max(max_seq_len // 32, low), high)
+    low, high = _SPLIT_FLOOR_TOKENS
+    floor = min(max(programs * max_seq_len // _SPLIT_FLOOR_WORK, low), high)
     parts = max(1, min(want, tiles // triton.cdiv(floor, block_n)))
     part_tokens = triton.cdiv(tiles, parts) * block_n
     return triton.cdiv(max(max_seq_len, 1), part_tokens), part_tokens
