@@ -26,7 +26,9 @@ _SPLIT_FLOOR_TOKENS = (128, 1024)
 _SPLIT_FLOOR_WORK = 256  # head-tokens of work per token of floor
 
 
-@triton.jit
+# The block table's row stride is its width, which changes from step to step in eager mode; specialising on
+# it (== 1, divisible by 16) would compile new variants mid-run (seconds each) for no gain.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     out, part_max, part_sum, part_out,
     query, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, k_scale, v_scale, scale, part_tokens,

@@ -15,7 +15,7 @@ from . import _host
 from .paged_tile import LOG2E, attend_tile, load_scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table's width changes per step (see decode.py)
 def _prefill_kernel(
     out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, k_scale, v_scale,
     scale,

@@ -102,7 +102,9 @@ def _attend(q, m_i, l_i, acc, start, q_pos, seq_len, K, V, kvh, k_base, v_base, 
     return m_new, l_i, acc
 
 
-@triton.jit
+# Strides that follow each batch's block-table width and mask shape: not specialised on, so a new batch does
+# not compile a new variant.
+@triton.jit(do_not_specialize=["stride_bt", "stride_ip", "stride_ih", "stride_iq", "stride_cp", "stride_ch"])
 def _sparse_attn_kernel(
     Q, O, K, V, BLOCK_TABLES, SCALES, ITEM_P, ITEM_J, P_SEQ, P_QSTART, P_LEN, P_QOFF, P_OOFF,
     KV_IDX, KV_CNT, stride_qt, stride_qh, stride_ot, stride_oh,
