@@ -92,6 +92,9 @@ class KVCacheManager:
                              f"exceed its {request.num_tokens} tokens")
 
         num_required = -(-num_total // self.block_size)
+        if not new_computed_blocks and num_required <= len(held) and not (
+                self.enable_caching and num_total // self.block_size > self.num_cached_blocks.get(request_id, 0)):
+            return []  # most decode steps: the held blocks have room and no block became full
         num_new_blocks = num_required - len(held) - len(new_computed_blocks)
         # Hit blocks sitting in the free queue stop being free once touched.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
