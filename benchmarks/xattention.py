@@ -95,7 +95,7 @@ def random_data_rows(lengths, strides, densities, sections, reps, device, dtype)
         v = torch.randn_like(k)
         k_rep, v_rep = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
         dense = bench_ms(lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True), reps(n), device)
-        del k_rep, v_rep
+        k_rep = v_rep = None  # free the repeated copies before the sparse runs
         # (b) adds each stride's estimate time, so (a) runs whenever (b) does
         est_ms = {}
         for stride in strides:
@@ -114,7 +114,7 @@ def random_data_rows(lengths, strides, densities, sections, reps, device, dtype)
                 rows_b.append(dict(seq_len=n, target_density=d, density=causal_density(mask), sparse_ms=sparse,
                                    dense_ms=dense, speedup_sparse=dense / sparse,
                                    speedup_with_estimate={st: dense / (sparse + t) for st, t in est_ms.items()}))
-        del q, k, v, mask
+        q = k = v = mask = None  # free this length's tensors before the next one is allocated
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows_a, rows_b
