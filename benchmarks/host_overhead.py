@@ -7,8 +7,8 @@ logits, the sampler, the rest of runner.execute and the engine's post-processing
 checks, detokenizing, building outputs).
 
 With --device cuda (and e.g. --model qwen3-0.6b) the same columns are host times of an asynchronous GPU
-step: forward and logits are launch costs (a CUDA graph replay for decode steps), and the sampler, which
-reads back the sampled ids, also waits there for the GPU to finish the step.
+step: forward, logits and sampler are launch costs (a CUDA graph replay for decode steps), and
+postprocess, which reads back the previous step's sampled ids, also waits there for the GPU.
 
     python benchmarks/host_overhead.py [--num-requests 256] [--sampling greedy|mixed] [--profile 30]
                                        [--model tiny|qwen3-0.6b|...] [--device cpu|cuda]

@@ -36,6 +36,9 @@ class EngineConfig:
     attention_backend: str | None = None
     # Decode steps on the GPU replay CUDA graphs unless this is set.
     enforce_eager: bool = False
+    # Schedule and queue step N+1 before reading back step N's tokens, so the host's work overlaps the
+    # device's (vLLM's --async-scheduling). Steps with repetition/frequency/presence penalties still wait.
+    async_scheduling: bool = True
     # XAttention block-sparse prefill for prompts of at least xattn_min_prompt_len tokens (off by default).
     sparse_prefill: str | None = None
     xattn_threshold: float = 0.9

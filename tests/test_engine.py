@@ -201,3 +201,37 @@ def test_final_only_steps_return_each_request_once_when_finished(llm):
         assert all(o.finished for o in outs)
         seen += [(o.request_id, len(o.outputs[0].token_ids)) for o in outs]
     assert sorted(seen) == [("long", 4), ("short", 1)]
+
+
+def test_async_scheduling_equals_synchronous(llm):
+    """Overlapped steps feed each decode its token from the device and learn of stops one step late: outputs,
+    stop handling, min_tokens, seeded sampling, logprobs and penalties (which fall back to waiting) must be
+    exactly what synchronous steps give, with every block back in the pool."""
+    prompt = "1, 2, 3, 4, 5,"
+    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    stop_id = first[0].outputs[0].token_ids[0]  # recurs every few tokens: " 6, 7, 8"
+    cases = [
+        (prompt, SamplingParams(temperature=0.0, max_tokens=12, stop=[" 7"])),
+        (prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id])),
+        (prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], min_tokens=3)),
+        ("Tell me a story.", SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=1)),
+        ("Tell me a story.", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=9, logprobs=2)),
+        ("Tell me a story.", SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.5)),
+        ("Hello", SamplingParams(temperature=0.0, max_tokens=30)),
+    ]
+    sync = LLM(MODEL, dtype="float32", seed=0, async_scheduling=False)
+    # Alone, and together: one request with penalties makes its whole batch wait.
+    for batch in (cases, *([case] for case in cases)):
+        prompts, params = [c[0] for c in batch], [c[1] for c in batch]
+        got = llm.generate(prompts, params, use_tqdm=False)
+        want = sync.generate(prompts, params, use_tqdm=False)
+        for g, w in zip(got, want):
+            for a, b in zip(g.outputs, w.outputs):
+                assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+                    (b.token_ids, b.text, b.finish_reason, b.stop_reason)
+                assert (a.logprobs is None) == (b.logprobs is None)
+                for x, y in zip(a.logprobs or [], b.logprobs or []):
+                    assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
+        if batch[0] is cases[0]:
+            assert got[0].outputs[0].stop_reason == " 7"
+    assert llm.engine.kv_cache_manager.usage == 0.0 and llm.engine.stats()["num_requests_running"] == 0

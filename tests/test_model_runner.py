@@ -17,7 +17,8 @@ def reference_inputs(items, block_ids_of, bs):
         start, end = it.num_computed_tokens, it.num_computed_tokens + it.num_new_tokens
         block_ids = block_ids_of(it.request)
         for p in range(start, end):
-            ids.append(it.request.all_token_ids[p])
+            # A token still on its way from the previous step: the device fills it in (see check_step).
+            ids.append(it.request.all_token_ids[p] if p < it.request.num_tokens else 0)
             pos.append(p)
             slots.append(block_ids[p // bs] * bs + p % bs)
         if it.sample:
@@ -29,9 +30,12 @@ def reference_inputs(items, block_ids_of, bs):
     return ids, pos, slots, logits_indices, tables, seq_lens, query_start
 
 
-def check_step(step, items, block_ids_of, bs, num_rows):
+def check_step(step, items, block_ids_of, bs, num_rows, sampled_rows):
     ids, pos, slots, logits_indices, tables, seq_lens, query_start = reference_inputs(items, block_ids_of, bs)
     nd = step.num_decodes
+    waiting = [[i, sampled_rows[it.request.request_id]] for i, it in enumerate(items)
+               if it.num_computed_tokens == it.request.num_tokens]
+    assert step.placeholders.T.tolist() == waiting and all(i < nd for i, _ in waiting)
     pad = max(num_rows - nd, 0)
     assert nd == sum(it.num_new_tokens == 1 for it in items)
     # A padded decode-only step: extra rows write nowhere and attend to nothing.
@@ -59,16 +63,18 @@ def test_prepare_matches_a_per_token_reference(options):
     engine = llm.engine
     runner, kv, bs = engine.runner, engine.kv_cache_manager, engine.config.block_size
     prepare = runner.prepare
-    checked = {"steps": 0, "padded": 0}
+    checked = {"steps": 0, "padded": 0, "placeholders": 0}
 
     def checked_prepare(items, blocks_of, num_rows=0):
         step = prepare(items, blocks_of, num_rows)
-        check_step(step, items, kv.get_block_ids, bs, num_rows)
+        check_step(step, items, kv.get_block_ids, bs, num_rows, runner._sampled_rows)
         if step.num_decodes == len(items):
             # What a CUDA graph of the next captured size gets.
-            check_step(prepare(items, blocks_of, len(items) + 3), items, kv.get_block_ids, bs, len(items) + 3)
+            check_step(prepare(items, blocks_of, len(items) + 3), items, kv.get_block_ids, bs, len(items) + 3,
+                       runner._sampled_rows)
             checked["padded"] += 1
         checked["steps"] += 1
+        checked["placeholders"] += step.placeholders.shape[1]
         return step
 
     runner.prepare = checked_prepare
@@ -77,7 +83,7 @@ def test_prepare_matches_a_per_token_reference(options):
     prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 70))] for _ in range(10)]
     prompts += [shared + [i] for i in range(4)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
-    assert checked["steps"] > 10 and checked["padded"] > 0
+    assert checked["steps"] > 10 and checked["padded"] > 0 and checked["placeholders"] > 0
     if "num_kv_blocks" in options:
         assert engine.stats()["num_preemptions"] > 0
     else:

@@ -11,7 +11,10 @@ VOCAB = 50
 
 def make_request(rid="r", prompt=(1, 2, 3), index=0, eos=frozenset({0}), **params):
     sp = SamplingParams(**params)
-    return Request(rid, list(prompt), sp, max_tokens=sp.max_tokens or 16, index=index, eos_token_ids=eos)
+    request = Request(rid, list(prompt), sp, max_tokens=sp.max_tokens or 16, index=index, eos_token_ids=eos)
+    # As the scheduler leaves a request it scheduled to sample: one token on its way.
+    request.num_placeholders = 1
+    return request
 
 
 def sample(requests, logits, seed=0):

@@ -46,6 +46,7 @@ class FakeModel:
         self.manager = manager
         self.block_size = manager.block_size
         self.cache = [None] * (manager.num_blocks * manager.block_size)
+        self.last_sampled = {}
 
     def slots(self, request, end):
         block_ids = self.manager.get_block_ids(request)
@@ -55,8 +56,12 @@ class FakeModel:
     def execute(self, output):
         # Like the real runner: every scheduled token's KV is written before any attention reads.
         for item in output.scheduled:
-            tokens, start = item.request.all_token_ids, item.num_computed_tokens
+            start = item.num_computed_tokens
             end = start + item.num_new_tokens
+            tokens = item.request.all_token_ids
+            if end > len(tokens):
+                # A token still on its way (steps overlap): like the device, take it from the last samples.
+                tokens = tokens + [self.last_sampled[item.request.request_id]]
             slots = self.slots(item.request, end)
             for p in range(start, end):
                 self.cache[slots[p]] = kv_value(tokens, p)
@@ -65,10 +70,11 @@ class FakeModel:
             if item.sample:
                 end = item.num_computed_tokens + item.num_new_tokens
                 sampled[item.request.request_id] = next_token([self.cache[s] for s in self.slots(item.request, end)])
+        self.last_sampled = sampled
         return sampled
 
     def assert_holds_prefix(self, request):
-        n = request.num_computed_tokens
+        n = min(request.num_computed_tokens, request.num_tokens)
         assert [self.cache[s] for s in self.slots(request, n)] == [kv_value(request.all_token_ids, p)
                                                                    for p in range(n)]
 
@@ -254,10 +260,11 @@ def test_stop_token_and_length_cap():
     scheduler.add_request(capped)
     scheduler.add_request(stopped)
     output = scheduler.schedule()
-    assert scheduler.update_from_output(output, {"capped": 1, "stopped": 1}) == []
+    assert scheduler.update_from_output(output, {"capped": 1, "stopped": 1}) == [capped, stopped]
+    assert not capped.is_finished and not stopped.is_finished
     output = scheduler.schedule()
-    finished = scheduler.update_from_output(output, {"capped": 1, "stopped": STOP})
-    assert finished == [capped, stopped]
+    assert scheduler.update_from_output(output, {"capped": 1, "stopped": STOP}) == [capped, stopped]
+    assert not scheduler.running
     assert capped.status == RequestStatus.FINISHED_LENGTH_CAPPED and capped.num_tokens == 12
     assert stopped.status == RequestStatus.FINISHED_STOPPED and stopped.stop_reason == STOP
 
@@ -293,6 +300,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expected = {}  # request id -> reference output, for requests that end on their own
         self.all_requests = []
         self.hash_prefix = {}  # block hash -> the tokens it names, to check cached blocks' content
+        self.in_flight = None  # a step whose tokens are not delivered yet (asynchronous scheduling)
 
     @rule(base=st.integers(0, 2), keep=st.integers(0, 12), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=8),
           max_tokens=st.integers(1, 10), n=st.integers(1, 3))
@@ -315,6 +323,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         self._step()
+
+    @rule()
+    def step_overlapped(self):
+        """Asynchronous scheduling: the next step is scheduled before this one's tokens are delivered."""
+        self._step(overlap=True)
 
     @precondition(lambda self: self.scheduler.running)
     @rule(pick=st.integers(0, 50))
@@ -342,7 +355,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._step()
         raise AssertionError("requests never finished")
 
-    def _step(self, abort_pick=None):
+    def _step(self, abort_pick=None, overlap=False):
         scheduler = self.scheduler
         output = scheduler.schedule()
         items = output.scheduled
@@ -361,8 +374,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             victim = items[abort_pick % len(items)].request
             scheduler.finish_requests([victim.request_id], RequestStatus.FINISHED_ABORTED)
             del self.expected[victim.request_id]
-        for request in scheduler.update_from_output(output, sampled):
-            assert request.output_token_ids == self.expected.pop(request.request_id)
+        # As LLMEngine.step: the step queued before this one is delivered after this one is scheduled.
+        previous, self.in_flight = self.in_flight, (output, sampled) if overlap else None
+        for step in [previous] + ([] if overlap else [(output, sampled)]):
+            if step is None:
+                continue
+            for request in scheduler.update_from_output(*step):
+                if request.is_finished:
+                    assert request.output_token_ids == self.expected.pop(request.request_id)
 
     def _record_hashes(self, requests):
         bs = self.manager.block_size

@@ -1,7 +1,11 @@
 """Decode latency: the time of one engine step (schedule, batch tensors, forward, sampling) when the batch is
 b sequences decoding at a given context length, for a range of b, beside the roofline of that step: the
 weights plus the batch's K/V read at the measured copy bandwidth, or its FLOPs at the measured matmul rate
-where that takes longer (roofline.py)."""
+where that takes longer (roofline.py).
+
+A step is timed as the interval between successive engine.step() calls returning, in steady state: with
+asynchronous scheduling the host prepares one step while the device runs the one before, so a step timed
+alone between two synchronizations would add the two up instead of overlapping them."""
 from __future__ import annotations
 
 import random
@@ -14,9 +18,10 @@ from pagedllm.sampling_params import SamplingParams
 
 
 def _all_decoding(scheduler, batch_size: int) -> bool:
-    # A decoding request has exactly one token (the one just sampled) not yet in its KV cache.
+    # A decoding request has exactly one token (the one just sampled, maybe still on the device) not yet in
+    # its KV cache.
     return (scheduler.num_running == batch_size and not scheduler.num_waiting
-            and all(r.num_tokens - r.num_computed_tokens == 1 for r in scheduler.running))
+            and all(r.num_scheduled_tokens - r.num_computed_tokens == 1 for r in scheduler.running))
 
 
 def _check_resident(scheduler, batch_size: int, preemptions: int) -> None:
@@ -46,14 +51,15 @@ def time_decode_steps(engine, prompts: list[list[int]], num_steps: int,
         for _ in range(warmup_steps):
             engine.step()
         times, kv_tokens = [], []
+        synchronize(device)
+        last = time.perf_counter()
         for _ in range(num_steps):
-            # The step writes each sequence's newest token, then reads all num_tokens of its K/V.
-            kv_tokens.append(sum(r.num_tokens for r in scheduler.running))
-            synchronize(device)
-            t0 = time.perf_counter()
+            # The step writes each sequence's newest token, then reads all num_scheduled_tokens of its K/V.
+            kv_tokens.append(sum(r.num_scheduled_tokens for r in scheduler.running))
             engine.step()
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
         _check_resident(scheduler, batch_size, preemptions)
     finally:
         engine.abort_request(ids)

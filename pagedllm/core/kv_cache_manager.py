@@ -87,9 +87,9 @@ class KVCacheManager:
                              f"request that holds none")
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
-        if num_total > request.num_tokens:
+        if num_total > request.num_scheduled_tokens:
             raise ValueError(f"request {request_id}: {num_computed} computed + {num_new_tokens} new tokens "
-                             f"exceed its {request.num_tokens} tokens")
+                             f"exceed its {request.num_scheduled_tokens} tokens")
 
         num_required = -(-num_total // self.block_size)
         if not new_computed_blocks and num_required <= len(held) and not (
@@ -116,7 +116,9 @@ class KVCacheManager:
         if self.enable_caching:
             update_block_hashes(request, self.block_size)
             num_cached = self.num_cached_blocks.get(request_id, 0) + len(new_computed_blocks)
-            num_full = num_total // self.block_size
+            # A block completed by a placeholder token cannot be hashed yet; it is registered at the request's
+            # next allocation, once the token is known.
+            num_full = min(num_total // self.block_size, len(request.block_hashes))
             self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
             self.num_cached_blocks[request_id] = num_full
         return new_blocks

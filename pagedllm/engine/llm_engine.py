@@ -13,7 +13,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -32,6 +33,14 @@ class _Parent:
     @property
     def finished(self) -> bool:
         return all(c.is_finished for c in self.children)
+
+
+@dataclass
+class _Step:
+    """A step queued on the device: what was scheduled, who samples in it, and the samples (not yet read)."""
+    sched: SchedulerOutput
+    sampling: list[Request]
+    out: SamplerOutput | None
 
 
 class LLMEngine:
@@ -55,6 +64,8 @@ class LLMEngine:
         self.child_to_parent: dict[str, _Parent] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # The step queued on the device whose tokens have not been read yet (asynchronous scheduling).
+        self._in_flight: _Step | None = None
 
     # ---- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -126,20 +137,40 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Runs one step; returns the current output of every user request that advanced in it, or with
-        final_only (vLLM's FINAL_ONLY output kind, what LLM.generate needs) of those that finished."""
+        final_only (vLLM's FINAL_ONLY output kind, what LLM.generate needs) of those that finished.
+
+        With async_scheduling the step is scheduled and queued on the device before the previous step's
+        tokens are read back, and the outputs returned are the previous step's: the host schedules while
+        the device computes. A request that stops at step N has also been scheduled into step N+1; that
+        token is dropped.
+        """
         sched = self.scheduler.schedule()
         sampling, out = self.runner.execute(sched, self.kv_cache_manager.get_blocks)
-        sampled = {}
-        if out is not None:
-            sampled = dict(zip([req.request_id for req in sampling], out.token_ids))
-            for req, tok, lp in zip(sampling, out.token_ids, out.logprobs):
-                if lp is not None:
-                    req.logprobs.append(lp)
-                    req.cumulative_logprob += lp[tok]
-        self.num_generation_tokens += len(sampled)
-        self.scheduler.update_from_output(sched, sampled)
+        previous, current = self._in_flight, _Step(sched, sampling, out)
+        self._in_flight = current if self._overlaps(sampling) else None
+        outputs = self._process(previous, final_only) if previous is not None else []
+        if self._in_flight is None:
+            outputs += self._process(current, final_only)
+        return outputs
+
+    def _overlaps(self, sampling: list[Request]) -> bool:
+        # Penalties read every token of the request, so the next step must wait for this one's.
+        return self.config.async_scheduling and not any(r.sampling_params.has_penalties for r in sampling)
+
+    def _process(self, step: _Step, final_only: bool) -> list[RequestOutput]:
+        """Reads a step's tokens back (waiting for the device) and turns them into outputs."""
+        sampled, logprobs = {}, {}
+        if step.out is not None:
+            ids = [req.request_id for req in step.sampling]
+            sampled, logprobs = dict(zip(ids, step.out.token_ids)), dict(zip(ids, step.out.logprobs))
+        advanced = self.scheduler.update_from_output(step.sched, sampled)
+        self.num_generation_tokens += len(advanced)
         touched: dict[str, _Parent] = {}
-        for req in sampling:
+        for req in advanced:
+            lp = logprobs[req.request_id]
+            if lp is not None:
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp[req.output_token_ids[-1]]
             parent = self.child_to_parent[req.request_id]
             touched[parent.request_id] = parent
             detok = parent.detokenizers[req.index]

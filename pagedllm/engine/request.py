@@ -63,6 +63,10 @@ class Request:
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose ids the host does not know yet: with asynchronous scheduling
+        # a step is scheduled while the previous one still runs on the device, so a running request can be
+        # one token ahead of all_token_ids (counting the step being scheduled, briefly two).
+        self.num_placeholders = 0
         # Prompt tokens served from the prefix cache at first scheduling (-1: not yet scheduled).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -85,6 +89,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus placeholders: the length the scheduler plans with."""
+        return len(self._all_token_ids) + self.num_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,11 +18,11 @@ class ScheduledRequest:
     # Tokens already in the KV cache before this step (including prefix-cache hits).
     num_computed_tokens: int
     # True when this step reaches the request's last token, so a next token must be sampled. Fixed at
-    # construction because request.num_tokens grows once the sampled token is appended.
+    # construction because the request grows once the sampled token is appended.
     sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sample = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        self.sample = self.num_computed_tokens + self.num_new_tokens == self.request.num_scheduled_tokens
 
 
 @dataclass
@@ -38,6 +38,12 @@ class Scheduler:
     Each step spends a budget of max_num_batched_tokens: running requests first (decodes and the next
     chunk of unfinished prefills), then waiting requests in FIFO order. num_computed_tokens advances when a
     request is scheduled, as in vLLM, so a step's output describes the cache after the step.
+
+    Asynchronous scheduling: schedule() may run again before update_from_output() has delivered the previous
+    step's tokens. A request whose token is still on its way carries a placeholder
+    (request.num_placeholders): it is scheduled to decode that token (the runner takes its id from the
+    device), unless the token is bound to be its last by length. Everything else that depends on the token's
+    value (stops, prefix-cache hashes) waits for update_from_output().
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -104,7 +110,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_with_placeholder(request):
+                index += 1
+                continue
+            num_new = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break
             scheduled.append(self._schedule_one(request, num_new))
@@ -128,31 +137,42 @@ class Scheduler:
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append the sampled tokens and retire finished requests; returns those finished this step.
+        """Append the sampled tokens and retire finished requests; returns the requests that got a token.
 
         Tokens sampled for requests still mid-prefill are ignored: their logits came from a partial prompt.
         """
-        finished = []
+        advanced, finished = [], []
         for item in scheduler_output.scheduled:
             request = item.request
-            # Finished from outside after the model ran (an abort): its blocks are already gone.
-            if request.is_finished or not item.sample:
+            if not item.sample:
+                continue
+            request.num_placeholders -= 1
+            # Finished after it was scheduled (an abort, a stop string, or, when steps overlap, a stop in
+            # the step before): its blocks are already gone and the token is dropped.
+            if request.is_finished:
                 continue
             token = sampled.get(request.request_id)
             if token is None:
                 raise ValueError(f"request {request.request_id!r} completed its tokens this step but no "
                                  f"sampled token was given for it")
+            # Preempted while this step ran (only when steps overlap): it finishes from the waiting queue.
+            waiting = request.status == RequestStatus.PREEMPTED
             request.append_output_token(token)
+            advanced.append(request)
             if request.check_stop():
                 finished.append(request)
             elif request.num_tokens >= self.max_model_len:
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 finished.append(request)
+            else:
+                continue
+            if waiting:
+                self.waiting.remove(request)
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
             for request in finished:
                 self._release(request)
-        return finished
+        return advanced
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (stop strings, user aborts); unknown or finished ids are ignored.
@@ -192,7 +212,15 @@ class Scheduler:
     def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
         item = ScheduledRequest(request, num_new, request.num_computed_tokens)
         request.num_computed_tokens += num_new
+        request.num_placeholders += item.sample
         return item
+
+    def _ends_with_placeholder(self, request: Request) -> bool:
+        """True when the token still on its way will finish the request by length, so decoding it would be
+        wasted (a stop token is not known in advance: that case costs one wasted decode)."""
+        return request.num_placeholders > 0 and (
+            request.num_output_tokens + request.num_placeholders >= request.max_tokens
+            or request.num_scheduled_tokens >= self.max_model_len)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop its KV; it resumes with prompt + outputs so far as its prompt."""

@@ -21,11 +21,49 @@ from pagedllm.sampling_params import SamplingParams
 _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(7)
 
 
-@dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    # Per row: {token_id: logprob} of the sampled token and the top-k tokens, or None if not requested.
-    logprobs: list[dict[int, float] | None]
+    """One step's sampled ids (and requested logprobs), computed on the device. On CUDA they are copied back
+    as soon as the sampler has queued them, so reading token_ids waits for this step's work only, not for
+    work queued after it (the next step, when steps overlap)."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_rows: list[int] = (), num_top: list[int] = (),
+                 logprob_tensors: tuple[torch.Tensor, ...] = ()) -> None:
+        self.device_token_ids = token_ids
+        self._logprob_rows, self._num_top = logprob_rows, num_top
+        tensors = (token_ids, *logprob_tensors)
+        self._ready = None
+        if token_ids.is_cuda:
+            tensors = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                            for t in tensors)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._host = tensors
+        self._lists: tuple[list[int], list[dict[int, float] | None]] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._read()[0]
+
+    @property
+    def logprobs(self) -> list[dict[int, float] | None]:
+        """Per row: {token_id: logprob} of the sampled token and the top-k tokens, or None if not requested."""
+        return self._read()[1]
+
+    def _read(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        if self._lists is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            token_list, *logprob_lists = [t.tolist() for t in self._host]
+            logprobs: list[dict[int, float] | None] = [None] * len(token_list)
+            if logprob_lists:
+                sampled, top_values, top_ids = logprob_lists
+                for j, (i, n) in enumerate(zip(self._logprob_rows, self._num_top)):
+                    entry = {token_list[i]: sampled[j]}
+                    for tok, lp in zip(top_ids[j][:n], top_values[j][:n]):
+                        entry.setdefault(tok, lp)
+                    logprobs[i] = entry
+            self._lists = token_list, logprobs
+        return self._lists
 
 
 @dataclass
@@ -100,10 +138,13 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        min_tokens_rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens]
+        # The token sampled now is output number num_output_tokens + num_placeholders (counting from 1): the
+        # placeholders include it and any earlier token still on its way.
+        min_tokens_rows = [i for i, r in enumerate(requests)
+                           if r.num_output_tokens + r.num_placeholders <= r.sampling_params.min_tokens]
         if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows):
             # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return SamplerOutput(logits.argmax(dim=-1))
 
         logits = logits.float()
         batch, vocab = logits.shape
@@ -137,9 +178,12 @@ class Sampler:
                                    [params[random_rows[j]].top_k for j in filtered_rows])
             tokens = random.put(tokens, sampled)
         if not logprob_rows:
-            return SamplerOutput(tokens.tolist(), [None] * batch)
-        return self._with_logprobs(tokens, raw_logprobs, logprob_idx, [params[i].logprobs for i in logprob_rows],
-                                   logprob_rows, batch)
+            return SamplerOutput(tokens)
+        # Logprobs of the sampled token and of each row's top-n tokens, read back with the tokens.
+        num_top = [params[i].logprobs for i in logprob_rows]
+        sampled_logprobs = raw_logprobs.gather(1, tokens[logprob_idx].unsqueeze(1)).squeeze(1)
+        top = raw_logprobs.topk(max(num_top), dim=-1)
+        return SamplerOutput(tokens, logprob_rows, num_top, (sampled_logprobs, top.values, top.indices))
 
     def _sample(self, logits: torch.Tensor, table: torch.Tensor, requests: list[Request], filtered: _Rows,
                 filtered_top_k: list[int]) -> torch.Tensor:
@@ -151,21 +195,6 @@ class Sampler:
             if r.sampling_params.seed is not None:
                 noise[i].exponential_(generator=self._state(r).generator)
         return (probs / noise).argmax(dim=-1)
-
-    def _with_logprobs(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor, logprob_idx: torch.Tensor,
-                       num_top: list[int], rows: list[int], batch: int) -> SamplerOutput:
-        """Logprobs of the sampled token and of each row's top num_top tokens, read back with the tokens."""
-        sampled = raw_logprobs.gather(1, tokens[logprob_idx].unsqueeze(1)).squeeze(1)
-        top = raw_logprobs.topk(max(num_top), dim=-1)
-        token_list = tokens.tolist()
-        sampled_list, top_values, top_ids = sampled.tolist(), top.values.tolist(), top.indices.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * batch
-        for j, (i, n) in enumerate(zip(rows, num_top)):
-            entry = {token_list[i]: sampled_list[j]}
-            for tok, lp in zip(top_ids[j][:n], top_values[j][:n]):
-                entry.setdefault(tok, lp)
-            logprobs[i] = entry
-        return SamplerOutput(token_list, logprobs)
 
 
 def _param_table(params: list[SamplingParams]) -> torch.Tensor:

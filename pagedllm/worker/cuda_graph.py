@@ -70,7 +70,8 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Hidden states of a decode-only step from its host inputs, already padded to a captured size."""
+        """Hidden states of a decode-only step from its inputs (host or device tensors), already padded to a
+        captured size."""
         bs = input_ids.shape[0]
         for static, host in ((self.input_ids, input_ids), (self.positions, positions),
                              (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):

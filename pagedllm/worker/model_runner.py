@@ -41,6 +41,10 @@ class ModelRunner:
         self.hf_config = hf_config
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self._allocate_kv_cache()
+        # The previous step's samples on the device, and the row of each request among them: a decode step
+        # scheduled before they reached the host takes its input ids from there.
+        self._sampled_rows: dict[str, int] = {}
+        self._sampled_ids: torch.Tensor | None = None
         self.graphs = None
         # The reference ops read lengths on the host, which a graph cannot replay.
         if (self.device.type == "cuda" and not config.enforce_eager
@@ -100,7 +104,8 @@ class ModelRunner:
         """One step's flat inputs on the host; items must have the decodes (one new token) first.
 
         num_rows pads a decode-only step to that many rows for a CUDA graph: the extra rows write no KV
-        (slot -1) and attend to nothing (seq_len 0).
+        (slot -1) and attend to nothing (seq_len 0). A decode whose token is still a placeholder gets input
+        id 0 here; StepInputs.placeholders says where the device fills it in from the previous samples.
         """
         bs = self.block_size
         num_decodes = next((i for i, it in enumerate(items) if it.num_new_tokens != 1), len(items))
@@ -115,7 +120,11 @@ class ModelRunner:
         num_rows = max(num_rows, num_decodes)
         decode_table = _block_table(rows[d], widths[d], num_rows)
         input_ids = np.zeros(num_rows, dtype=np.int64)
-        input_ids[d] = [it.request.all_token_ids[it.num_computed_tokens] for it in items[d]]
+        input_ids[d] = [toks[c] if c < len(toks) else 0 for toks, c in
+                        ((it.request.all_token_ids, it.num_computed_tokens) for it in items[d])]
+        placeholder_rows = [i for i, it in enumerate(items[d]) if it.num_computed_tokens == it.request.num_tokens]
+        placeholders = np.array([placeholder_rows, [self._sampled_rows[items[i].request.request_id]
+                                                    for i in placeholder_rows]], dtype=np.int64)
         positions = np.zeros(num_rows, dtype=np.int64)
         positions[d] = starts[d]
         slots = np.full(num_rows, -1, dtype=np.int64)
@@ -134,7 +143,7 @@ class ModelRunner:
 
         sample = np.array([it.sample for it in items], dtype=bool)
         return StepInputs(
-            input_ids=np.concatenate([input_ids, *prefill_ids]),
+            input_ids=np.concatenate([input_ids, *prefill_ids]), placeholders=placeholders,
             positions=np.concatenate([positions, *prefill_positions]),
             slot_mapping=np.concatenate([slots, *prefill_slots]), num_decodes=num_decodes,
             decode_block_tables=decode_table, decode_seq_lens=decode_seq_lens,
@@ -162,29 +171,39 @@ class ModelRunner:
             sparse_prefill=self.sparse_prefill if long_prefill else None,
         )
 
+    def _input_ids(self, step: StepInputs) -> torch.Tensor:
+        input_ids = self._to_device(step.input_ids)
+        if step.placeholders.shape[1]:
+            rows, sources = self._to_device(step.placeholders)
+            input_ids[rows] = self._sampled_ids[sources]
+        return input_ids
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, blocks_of: Callable[[Request], list[KVCacheBlock]]
                 ) -> tuple[list[Request], SamplerOutput | None]:
-        """Runs one step; returns the requests that sample a token this step and what they sampled."""
+        """Queues one step on the device; returns the requests that sample a token in it and their samples.
+        Nothing here waits for the device: reading the samples does."""
         items = sorted(sched.scheduled, key=lambda it: it.num_new_tokens != 1)
         if not items:
             return [], None
         decode_only = items[-1].num_new_tokens == 1
         if self.graphs is not None and decode_only and self.graphs.fits(len(items)):
             step = self.prepare(items, blocks_of, self.graphs.padded_size(len(items)))
-            hidden = self.graphs.run(*(self._host(a) for a in (
-                step.input_ids, step.positions, step.slot_mapping, step.decode_seq_lens,
-                step.decode_block_tables)))[:len(items)]
+            hidden = self.graphs.run(self._input_ids(step), *(self._host(a) for a in (
+                step.positions, step.slot_mapping, step.decode_seq_lens, step.decode_block_tables)))[:len(items)]
         else:
             step = self.prepare(items, blocks_of)
             meta = self._metadata(step)
             with set_forward_context(meta):
-                hidden = self.model(self._to_device(step.input_ids), self._to_device(step.positions))
+                hidden = self.model(self._input_ids(step), self._to_device(step.positions))
         sampling = [it.request for it in items if it.sample]
         if not sampling:
             return [], None
         logits = self.model.compute_logits(hidden[self._to_device(step.logits_indices)])
-        return sampling, self.sampler(logits, sampling)
+        out = self.sampler(logits, sampling)
+        self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
+        self._sampled_ids = out.device_token_ids
+        return sampling, out
 
 
 @dataclass
@@ -192,6 +211,7 @@ class StepInputs:
     """One step's flat inputs as host arrays, laid out as AttentionMetadata describes them. A decode-only
     step padded for a CUDA graph has more decode rows than scheduled requests."""
     input_ids: np.ndarray  # int64 per token
+    placeholders: np.ndarray  # int64 [2, n]: decode rows whose input id is the previous step's sample at index
     positions: np.ndarray  # int64 per token
     slot_mapping: np.ndarray  # int64 per token
     num_decodes: int

@@ -77,6 +77,12 @@ def test_cuda_graphs_equal_eager(hf_model_dir):
     assert ours(path, dtype="float32") == ours(path, dtype="float32", enforce_eager=True)
 
 
+def test_async_scheduling_equals_synchronous(hf_model_dir):
+    """Overlapped steps take each decode's input token from the previous step's samples on the device."""
+    path, _ = hf_model_dir
+    assert ours(path, dtype="float32") == ours(path, dtype="float32", async_scheduling=False)
+
+
 @pytest.mark.parametrize("options,tolerance", [
     pytest.param(dict(dtype="bfloat16"), 0.02, id="bf16"),
     pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8"), 0.05, id="bf16-fp8kv"),

@@ -21,6 +21,8 @@ def make_requests(kinds, prompt_len=40, num_output=6):
                       eos_token_ids=frozenset({2}))
         for t in torch.randint(0, VOCAB, (num_output,), generator=g).tolist():
             req.append_output_token(t)
+        # As the scheduler leaves a request it scheduled to sample: one token on its way.
+        req.num_placeholders = 1
         reqs.append(req)
     return reqs
 
