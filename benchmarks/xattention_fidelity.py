@@ -133,8 +133,8 @@ def compare_logits(model, input_ids, dense_hidden, sparse_hidden, chunk=1024):
     with torch.no_grad():
         for s in range(0, targets.shape[0], chunk):
             e = min(s + chunk, targets.shape[0])
-            lp_d = F.log_softmax(model.compute_logits(dense_hidden[s:e]), -1)
-            lp_s = F.log_softmax(model.compute_logits(sparse_hidden[s:e]), -1)
+            lp_d = F.log_softmax(model.compute_logits(dense_hidden[s:e]).float(), -1)
+            lp_s = F.log_softmax(model.compute_logits(sparse_hidden[s:e]).float(), -1)
             nll["dense"].append(F.nll_loss(lp_d, targets[s:e], reduction="none"))
             nll["sparse"].append(F.nll_loss(lp_s, targets[s:e], reduction="none"))
             agree += int((lp_d.argmax(-1) == lp_s.argmax(-1)).sum())

@@ -14,15 +14,15 @@ STAGES=${STAGES:-tests throughput latency profile}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-bench() { $PY -m pagedllm bench "$@" --load-format dummy --disable-tqdm; }
+bench() { $PY -m pagedllm bench "$@" --load-format dummy; }
 if has tests; then
   $PY -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_engine_gpu.py tests/gpu/test_sampler_gpu.py \
     > "$OUT/engine_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/engine_tests.log"
 fi
 if has throughput; then
-  bench throughput --hf-baseline --output "$OUT/throughput.json" > "$OUT/throughput.log" 2>&1 || status=1
-  bench throughput --no-async-scheduling --output "$OUT/throughput_sync.json" > "$OUT/throughput_sync.log" 2>&1 \
+  bench throughput --disable-tqdm --hf-baseline --output "$OUT/throughput.json" > "$OUT/throughput.log" 2>&1 || status=1
+  bench throughput --disable-tqdm --no-async-scheduling --output "$OUT/throughput_sync.json" > "$OUT/throughput_sync.log" 2>&1 \
     || status=1
 fi
 if has latency; then

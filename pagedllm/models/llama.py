@@ -137,9 +137,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (only the positions to sample) -> logits [N, vocab] float32."""
+        """hidden [N, hidden] (only the positions to sample) -> logits [N, vocab] in the model's dtype: a
+        greedy step takes the argmax as it is, and the sampler upcasts only when it has more to do."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return nn.functional.linear(hidden, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters (cast and moved by copy_, one tensor at a time).
