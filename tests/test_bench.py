@@ -81,6 +81,12 @@ def test_throughput_cli_end_to_end_with_hf_baseline(tmp_path, capsys):
     sched = simulate_decode(list(map(len, prompts)), outputs, 4)
     assert est["num_steps"] == len(sched.batch_sizes) and est["kv_token_reads"] == sum(sched.kv_tokens)
     assert 0 < r["fraction_of_roofline"] <= 1.5
+    # The breakdown accounts for the whole run: every step, prefill first, then decode-only by batch size.
+    steps = ours["steps"]
+    assert steps[0]["kind"] == "with prefill" and all(row["kind"].startswith("decode <=") for row in steps[1:])
+    assert sum(row["wall_s"] for row in steps) == pytest.approx(ours["elapsed_s"], rel=0.05)
+    assert sum(row["steps"] for row in steps) >= max(outputs)
+    assert sum(row["roofline_s"] for row in steps) == pytest.approx(est["time_s"], rel=0.5)
     b = r["baseline"]
     assert b["subset"] == {"num_requests": 3, "input_tokens": sum(map(len, prompts[:3])), "output_len": 5}
     assert max(map(len, prompts[:3])) > 16  # a full block: the subset would hit the prefix cache unless reset
@@ -89,7 +95,7 @@ def test_throughput_cli_end_to_end_with_hf_baseline(tmp_path, capsys):
         assert b[run]["output_tokens"] == 15 and b[run]["output_tok_s"] > 0
     assert b["speedup_vs_hf_generate"] > 0 and b["speedup_vs_hf_continuous_batching"] > 0
     printed = capsys.readouterr().out
-    assert "of the roofline" in printed and "HF continuous batching" in printed
+    assert "of the roofline" in printed and "HF continuous batching" in printed and "where the time went" in printed
 
 
 def test_latency_cli_end_to_end(tmp_path):

@@ -27,21 +27,80 @@ def make_workload(num_requests: int, input_range: tuple[int, int], output_range:
     return prompts, output_lens
 
 
-def run_ours(llm, prompts: list[list[int]], output_lens: list[int], use_tqdm: bool) -> dict:
+# Decode-only steps are grouped by batch size into these ranges (upper bounds) in the step breakdown.
+BATCH_BUCKETS = (8, 32, 64, 128, 192, 256, 512)
+
+
+class StepLog:
+    """Records when each step was scheduled and what it held, by wrapping the engine's scheduler. Steps
+    overlap with asynchronous scheduling, so a step's time is taken as the interval to the next schedule()
+    call: in steady state that is the period at which the device finishes steps."""
+
+    def __init__(self, engine) -> None:
+        self.scheduler = engine.scheduler
+        # (start time, decode rows, K/V tokens they read, prefill chunks as (first, end) positions)
+        self.steps: list[tuple[float, int, int, list[tuple[int, int]]]] = []
+        schedule = self.scheduler.schedule
+
+        def logged():
+            out = schedule()
+            decodes = [it.num_computed_tokens + 1 for it in out.scheduled if it.num_new_tokens == 1]
+            chunks = [(it.num_computed_tokens, it.num_computed_tokens + it.num_new_tokens)
+                      for it in out.scheduled if it.num_new_tokens > 1]
+            self.steps.append((time.perf_counter(), len(decodes), sum(decodes), chunks))
+            return out
+
+        self.scheduler.schedule = logged
+
+    def close(self, end: float) -> None:
+        del self.scheduler.schedule  # back to the class's method
+        self.end = end
+
+    def breakdown(self, cost, rates) -> list[dict]:
+        """Wall time against the roofline per kind of step: steps with prefill tokens, then decode-only steps
+        by batch size."""
+        rows: dict[str, dict] = {}
+        ends = [t for t, *_ in self.steps[1:]] + [self.end]
+        for (start, decodes, kv, chunks), end in zip(self.steps, ends):
+            if chunks:
+                kind = "with prefill"
+                # A chunk's FLOPs: the prompt's up to its end minus those up to its start.
+                flops = sum(cost.prefill_flops(b) - (cost.prefill_flops(a) if a else 0) for a, b in chunks)
+                ideal = (cost.decode_step_seconds(rates, decodes, kv) if decodes else 0.0) + \
+                    flops / rates.matmul_flops
+            elif decodes:
+                kind = next((f"decode <= {b}" for b in BATCH_BUCKETS if b >= decodes),
+                            f"decode > {BATCH_BUCKETS[-1]}")
+                ideal = cost.decode_step_seconds(rates, decodes, kv)
+            else:
+                continue
+            row = rows.setdefault(kind, {"steps": 0, "wall_s": 0.0, "roofline_s": 0.0})
+            row["steps"] += 1
+            row["wall_s"] += end - start
+            row["roofline_s"] += ideal
+        order = ["with prefill", *(f"decode <= {b}" for b in BATCH_BUCKETS), f"decode > {BATCH_BUCKETS[-1]}"]
+        return [{"kind": k, **rows[k]} for k in order if k in rows]
+
+
+def run_ours(llm, prompts: list[list[int]], output_lens: list[int], use_tqdm: bool, rates=None) -> dict:
+    """With rates (DeviceRates), also the per-step breakdown against the roofline."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     device = llm.engine.config.device
     # Each timed run starts from an empty prefix cache: none gets an earlier run's prompts for free.
     llm.engine.kv_cache_manager.reset_prefix_cache()
+    log = StepLog(llm.engine)
     synchronize(device)
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     synchronize(device)
     elapsed = time.perf_counter() - t0
+    log.close(t0 + elapsed)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"elapsed_s": elapsed, "num_requests": len(prompts), "input_tokens": sum(map(len, prompts)),
             "cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs), "output_tokens": generated, "requests_per_s": len(prompts) / elapsed,
             "output_tok_s": generated / elapsed,
-            "total_tok_s": (sum(map(len, prompts)) + generated) / elapsed}
+            "total_tok_s": (sum(map(len, prompts)) + generated) / elapsed,
+            "steps": log.breakdown(model_cost_of(llm.engine), rates) if rates is not None else None}
 
 
 def run_throughput(model: str, engine_options: dict, num_requests: int, input_range: tuple[int, int],
@@ -63,7 +122,7 @@ def run_throughput(model: str, engine_options: dict, num_requests: int, input_ra
                                    engine.config.max_num_seqs)
     # Warm-up: kernel compilation and first-call allocations stay out of the timed run.
     llm.generate([[0] * 32], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    ours = run_ours(llm, prompts, output_lens, use_tqdm)
+    ours = run_ours(llm, prompts, output_lens, use_tqdm, rates)
     result = {
         "device": device_name(device), "model": model, "model_dir": model_dir,
         "dtype": str(dtype).removeprefix("torch."),
@@ -109,7 +168,12 @@ def format_report(r: dict) -> str:
         f"{ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s",
         describe(r["roofline"]),
         f"pagedllm reaches {r['fraction_of_roofline']:.1%} of the roofline's output tok/s",
+        "where the time went (a step lasts until the next is scheduled; roofline as above, per step):",
+        f"  {'steps':>24} {'count':>6} {'wall s':>8} {'roofline s':>11} {'of roofline':>12}",
     ]
+    for row in ours["steps"]:
+        lines.append(f"  {row['kind']:>24} {row['steps']:6d} {row['wall_s']:8.3f} {row['roofline_s']:11.3f} "
+                     f"{row['roofline_s'] / row['wall_s']:12.1%}")
     if "baseline" in r:
         b = r["baseline"]
         s = b["subset"]

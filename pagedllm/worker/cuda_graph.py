@@ -1,10 +1,10 @@
 """CUDA graphs of the decode-only forward pass, one per batch size of a ladder.
 
 A decode step launches a few kernels per layer, each shorter than Python's launch cost, so the step is
-captured once per batch size and replayed. The graphs read static buffers: a step copies its host inputs,
-already padded up to the next captured size with rows that write no KV (slot -1) and attend to nothing
-(seq_len 0), straight into them. Captured with max_seq_len = max_model_len so one graph serves every
-context length.
+captured once per batch size and replayed. The graphs read static buffers: a step copies its inputs (already
+on the device, padded up to the next captured size with rows that write no KV (slot -1) and attend to
+nothing (seq_len 0)) into them. Captured with max_seq_len = max_model_len so one graph serves every context
+length.
 """
 from __future__ import annotations
 
@@ -32,9 +32,6 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, math.ceil(max_model_len / block_size), dtype=torch.int32,
                                         device=device)
-        # Lands a step's narrower host block table on the device first: copying it from the host straight
-        # into the wider static table would make torch allocate a contiguous temporary.
-        self.block_table_staging = torch.zeros(self.block_tables.numel(), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -70,16 +67,13 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Hidden states of a decode-only step from its inputs (host or device tensors), already padded to a
-        captured size."""
+        """Hidden states of a decode-only step from its inputs on the device, already padded to a captured
+        size."""
         bs = input_ids.shape[0]
-        for static, host in ((self.input_ids, input_ids), (self.positions, positions),
-                             (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
-            static[:bs].copy_(host, non_blocking=True)
-        width = block_tables.shape[1]
-        staged = self.block_table_staging[:bs * width].view(bs, width)
-        staged.copy_(block_tables, non_blocking=True)
+        for static, new in ((self.input_ids, input_ids), (self.positions, positions),
+                            (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
+            static[:bs].copy_(new)
         # Entries past a row's width are stale but never read: kernels stop at ceil(seq_len / block_size).
-        self.block_tables[:bs, :width].copy_(staged)
+        self.block_tables[:bs, :block_tables.shape[1]].copy_(block_tables)
         self.graphs[bs].replay()
         return self.outputs[bs]

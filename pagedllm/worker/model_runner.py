@@ -45,6 +45,7 @@ class ModelRunner:
         # scheduled before they reached the host takes its input ids from there.
         self._sampled_rows: dict[str, int] = {}
         self._sampled_ids: torch.Tensor | None = None
+        self.uploader = Uploader(self.device)
         self.graphs = None
         # The reference ops read lengths on the host, which a graph cannot replay.
         if (self.device.type == "cuda" and not config.enforce_eager
@@ -89,15 +90,6 @@ class ModelRunner:
             layer.bind_cache(torch.zeros(key_shape, dtype=cache_dtype, device=self.device),
                              torch.zeros(value_shape, dtype=cache_dtype, device=self.device),
                              self.config.kv_cache_dtype, scale, scale)
-
-    def _host(self, array: np.ndarray) -> torch.Tensor:
-        """array as a CPU tensor; pinned when it is bound for the GPU, so its copy is truly asynchronous (the
-        caching host allocator keeps the pinned block from reuse until the copy has run)."""
-        t = torch.from_numpy(array)
-        return t.pin_memory() if self.device.type == "cuda" else t
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return self._host(array).to(self.device, non_blocking=True)
 
     def prepare(self, items: list[ScheduledRequest], blocks_of: Callable[[Request], list[KVCacheBlock]],
                 num_rows: int = 0) -> StepInputs:
@@ -153,30 +145,32 @@ class ModelRunner:
             logits_indices=(np.cumsum(num_new) - 1)[sample],
         )
 
-    def _metadata(self, step: StepInputs) -> AttentionMetadata:
+    def _metadata(self, step: StepInputs, dev: dict[str, torch.Tensor]) -> AttentionMetadata:
         has_decode, has_prefill = step.num_decodes > 0, len(step.prefill_seq_lens) > 0
         prefill_max_seq_len = int(step.prefill_seq_lens.max(initial=0))
         long_prefill = prefill_max_seq_len >= self.config.xattn_min_prompt_len
         return AttentionMetadata(
-            slot_mapping=self._to_device(step.slot_mapping),
+            slot_mapping=dev["slot_mapping"],
             num_decode_tokens=step.num_decodes,
-            decode_block_tables=self._to_device(step.decode_block_tables) if has_decode else None,
-            decode_seq_lens=self._to_device(step.decode_seq_lens) if has_decode else None,
+            decode_block_tables=dev["decode_block_tables"] if has_decode else None,
+            decode_seq_lens=dev["decode_seq_lens"] if has_decode else None,
             decode_max_seq_len=int(step.decode_seq_lens.max(initial=0)),
-            prefill_block_tables=self._to_device(step.prefill_block_tables) if has_prefill else None,
-            prefill_seq_lens=self._to_device(step.prefill_seq_lens) if has_prefill else None,
-            prefill_query_start_loc=self._to_device(step.prefill_query_start_loc) if has_prefill else None,
+            prefill_block_tables=dev["prefill_block_tables"] if has_prefill else None,
+            prefill_seq_lens=dev["prefill_seq_lens"] if has_prefill else None,
+            prefill_query_start_loc=dev["prefill_query_start_loc"] if has_prefill else None,
             prefill_max_query_len=int(np.diff(step.prefill_query_start_loc).max(initial=0)),
             prefill_max_seq_len=prefill_max_seq_len,
             sparse_prefill=self.sparse_prefill if long_prefill else None,
         )
 
-    def _input_ids(self, step: StepInputs) -> torch.Tensor:
-        input_ids = self._to_device(step.input_ids)
-        if step.placeholders.shape[1]:
-            rows, sources = self._to_device(step.placeholders)
-            input_ids[rows] = self._sampled_ids[sources]
-        return input_ids
+    def _upload(self, step: StepInputs) -> dict[str, torch.Tensor]:
+        """The step's arrays on the device (one copy), with placeholder input ids filled in from the previous
+        step's samples."""
+        dev = dict(zip(_UPLOADED, self.uploader(*(getattr(step, name) for name in _UPLOADED))))
+        rows, sources = dev["placeholders"]
+        if len(rows):
+            dev["input_ids"][rows] = self._sampled_ids[sources]
+        return dev
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, blocks_of: Callable[[Request], list[KVCacheBlock]]
@@ -189,21 +183,69 @@ class ModelRunner:
         decode_only = items[-1].num_new_tokens == 1
         if self.graphs is not None and decode_only and self.graphs.fits(len(items)):
             step = self.prepare(items, blocks_of, self.graphs.padded_size(len(items)))
-            hidden = self.graphs.run(self._input_ids(step), *(self._host(a) for a in (
-                step.positions, step.slot_mapping, step.decode_seq_lens, step.decode_block_tables)))[:len(items)]
+            dev = self._upload(step)
+            hidden = self.graphs.run(*(dev[name] for name in ("input_ids", "positions", "slot_mapping",
+                                                              "decode_seq_lens", "decode_block_tables")))
+            hidden = hidden[:len(items)]
         else:
             step = self.prepare(items, blocks_of)
-            meta = self._metadata(step)
-            with set_forward_context(meta):
-                hidden = self.model(self._input_ids(step), self._to_device(step.positions))
+            dev = self._upload(step)
+            with set_forward_context(self._metadata(step, dev)):
+                hidden = self.model(dev["input_ids"], dev["positions"])
         sampling = [it.request for it in items if it.sample]
         if not sampling:
             return [], None
-        logits = self.model.compute_logits(hidden[self._to_device(step.logits_indices)])
+        logits = self.model.compute_logits(hidden[dev["logits_indices"]])
         out = self.sampler(logits, sampling)
         self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
         self._sampled_ids = out.device_token_ids
         return sampling, out
+
+
+class Uploader:
+    """Host->device transfer of a step's small arrays: packed into one pinned buffer and sent in one copy,
+    instead of a pinned allocation and a copy per array. Pinned buffers are reused round-robin, each written
+    again only once its previous copy has run (an event per buffer)."""
+
+    ALIGN = 16  # bytes: every array starts where any dtype's view may start
+
+    def __init__(self, device: torch.device, num_buffers: int = 3) -> None:
+        self.device = device
+        self.buffers: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * num_buffers
+        self.next = 0
+
+    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        if self.device.type != "cuda":
+            return [torch.from_numpy(a) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        buffer, copied = self._buffer(total)
+        host = buffer.numpy()
+        for a, offset in zip(arrays, offsets):
+            host[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+        packed = buffer[:total].to(self.device, non_blocking=True)
+        copied.record()
+        return [packed[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+                for a, offset in zip(arrays, offsets)]
+
+    def _buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        i, self.next = self.next, (self.next + 1) % len(self.buffers)
+        entry = self.buffers[i]
+        if entry is not None:
+            entry[1].synchronize()
+        if entry is None or entry[0].numel() < nbytes:
+            size = max(nbytes, 2 * entry[0].numel()) if entry is not None else max(nbytes, 1 << 16)
+            entry = self.buffers[i] = (torch.empty(size, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+        return entry
+
+
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+# StepInputs fields sent to the device each step.
+_UPLOADED = ("input_ids", "placeholders", "positions", "slot_mapping", "logits_indices", "decode_block_tables",
+             "decode_seq_lens", "prefill_block_tables", "prefill_seq_lens", "prefill_query_start_loc")
 
 
 @dataclass
