@@ -1,8 +1,9 @@
 """Where one engine step's time goes on the GPU: the throughput workload's decode steps under torch.profiler.
 
 Runs the nano-vllm workload (benchmarks/throughput.py) on a random-weight model until every request is in
-decode, then profiles --steps engine steps: wall time per step, GPU-busy time per step (sum of kernel times),
-and the top kernels and host functions. Prints tables; JSON to --out.
+decode (or, with --phase prefill, from its first step), then profiles --steps engine steps: wall time per
+step, GPU-busy time per step (sum of kernel times), and the top kernels and host functions. Prints tables;
+JSON to --out.
 
     python benchmarks/step_profile.py --model qwen3-0.6b --steps 20 --out step_profile.json
 """
@@ -25,6 +26,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                        help="profile decode-only steps once every prompt is in, or the first steps (prefills)")
     parser.add_argument("--out", default="step_profile.json")
     args = parser.parse_args()
     llm = LLM(model_dir_for(args.model), load_format="dummy", dtype="bfloat16", max_model_len=4096,
@@ -32,13 +35,18 @@ def main():
               async_scheduling=not args.no_async_scheduling)
     engine = llm.engine
     prompts, _ = make_workload(args.num_requests, (100, 1024), (100, 1024), engine.hf_config.vocab_size, 0)
+    if args.phase == "prefill":
+        # Compile the prefill path on other prompts first, as the throughput benchmark's warm-up does.
+        llm.generate([p[::-1] for p in prompts[:16]], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True))
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
-        engine.step()
-    for _ in range(5):  # warm decode steps (graph replay paths)
-        engine.step()
+    if args.phase == "decode":
+        while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) \
+                or engine.scheduler.waiting:
+            engine.step()
+        for _ in range(5):  # warm decode steps (graph replay paths)
+            engine.step()
     torch.cuda.synchronize()
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

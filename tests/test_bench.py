@@ -111,6 +111,7 @@ def test_latency_cli_end_to_end(tmp_path):
     for row in r["results"]:
 
         assert row["min_ms"] <= row["median_ms"] <= row["max_ms"] and row["output_tok_s"] > 0
+        assert row["min_ms"] <= row["mean_ms"] <= row["max_ms"]
         kv_ms = 1e3 * row["batch_size"] * row["mean_kv_len"] * r["kv_bytes_per_token"] / r["bandwidth"]
         assert row["roofline_ms"] >= (r["weight_read_ms"] + kv_ms) * (1 - 1e-9)  # or the FLOPs', if longer
         assert r["weight_read_ms"] == pytest.approx(1e3 * r["weight_bytes"] / r["bandwidth"])
