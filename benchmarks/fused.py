@@ -1,8 +1,10 @@
 """Fused elementwise kernels (pagedllm.ops.triton.fused) against the layers' PyTorch code they replace, on
 CUDA in bf16: RMSNorm with the residual add, SiLU-and-mul, and RoPE (with Qwen3's per-head q/k RMSNorm at
 hidden 1024, Qwen3-0.6B's shapes; plain at hidden 4096, Llama 3 8B's). Time per call from CUDA-graph replays
-(as decode steps run) and achieved GB/s of the bytes each op must move at least. Prints a markdown table;
-writes JSON to --out, else to $OUT/fused.json when OUT is set.
+(as decode steps run) and achieved GB/s of the bytes each op must move at least. The "+cache write" rows set
+the RoPE kernel followed by the paged-cache write (two Triton kernels: the "PyTorch" column there) against the
+one kernel doing both (bf16 "hnd" cache, block 16). Prints a markdown table; writes JSON to --out, else to
+$OUT/fused.json when OUT is set.
 
     python benchmarks/fused.py [--out FILE]
     python benchmarks/fused.py --cpu-smoke   # tiny shapes under the Triton interpreter: the script runs
@@ -27,6 +29,8 @@ def _ops(hidden, tokens, dtype, device, gen, models):
     from pagedllm.layers.activation import SiluAndMul
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
+    from pagedllm.ops import reference
+    from pagedllm.ops import triton as triton_ops
     from pagedllm.ops.triton import fused
 
     inter, heads, kv_heads, head_size, qk_norm = models[hidden]
@@ -44,9 +48,17 @@ def _ops(hidden, tokens, dtype, device, gen, models):
     norm_args = (norms[0].weight, norms[1].weight, norms[0].eps) if qk_norm else None
     positions = torch.randint(0, 8192, (tokens,), generator=gen, device=device)
     q_size, kv_size = heads * head_size, kv_heads * head_size
-    q, k, _ = rand(tokens, q_size + 2 * kv_size).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = rand(tokens, q_size + 2 * kv_size).split([q_size, kv_size, kv_size], dim=-1)
     # RoPE rotates in place, so repeated calls keep working on the same buffers; the values stay bounded.
     rope_bytes = 2 * tokens * (q_size + kv_size) * size + tokens * (head_size * 4 + 8)
+    cache_shapes = reference.kv_cache_shapes(tokens // 16 + 1, 16, kv_heads, head_size, dtype, "auto", "hnd")[:2]
+    key_cache, value_cache = (torch.zeros(shape, dtype=dtype, device=device) for shape in cache_shapes)
+    slots = torch.arange(tokens, device=device)
+
+    def rope_then_cache():
+        fused.rotary_embedding(positions, q, k, head_size, rope.cos_sin_cache, norm_args)
+        triton_ops.reshape_and_cache(k.view(tokens, kv_heads, head_size), v.view(tokens, kv_heads, head_size),
+                                     key_cache, value_cache, slots, "auto", 1.0, 1.0)
     return {
         "add+rmsnorm": (lambda: norm(x, residual), lambda: fused.rms_norm(x, norm.weight, norm.eps, residual),
                         (4 * tokens + 1) * hidden * size),
@@ -55,6 +67,11 @@ def _ops(hidden, tokens, dtype, device, gen, models):
             lambda: rope(positions, q, k, norms),
             lambda: fused.rotary_embedding(positions, q, k, head_size, rope.cos_sin_cache, norm_args),
             rope_bytes),
+        ("qknorm+rope+cache write" if qk_norm else "rope+cache write"): (
+            rope_then_cache,
+            lambda: fused.rope_and_cache(positions, q, k, v, head_size, rope.cos_sin_cache, norm_args, key_cache,
+                                         value_cache, slots, "auto", 1.0, 1.0),
+            rope_bytes + 2 * tokens * kv_size * size),
     }
 
 

@@ -89,8 +89,11 @@ def captured_qkv(model):
     store, handles = [], []
 
     def hook(module, args):
-        q, k, v = (x.detach().view(x.shape[0], -1, module.head_size).transpose(0, 1)[None].clone() for x in args)
-        store.append((q, k, v))
+        q, k, v, rope = args
+        # Attention rotates q and k itself (in place on the GPU): rotate copies the same way.
+        q, k = rope.rotary(rope.positions, q.clone(), k.clone(), rope.qk_norm)
+        store.append(tuple(x.detach().view(x.shape[0], -1, module.head_size).transpose(0, 1)[None].clone()
+                           for x in (q, k, v)))
 
     for m in model.modules():
         if isinstance(m, Attention):

@@ -128,6 +128,54 @@ def test_rotary_embedding_in_place(dtype, tokens, shape, qk_norm):
         assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 
 
+@pytest.mark.parametrize("layout", ["vllm", "hnd"])
+@pytest.mark.parametrize("dtype,kv_cache_dtype,tensor_scales", [
+    (torch.float32, "auto", False), (torch.float16, "fp8_e4m3", True), (torch.float16, "fp8_e5m2", False)])
+@pytest.mark.parametrize("shape", ROPE_SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_cache_equals_rope_then_cache_write(layout, dtype, kv_cache_dtype, tensor_scales, shape, qk_norm):
+    """The fused RoPE + cache write leaves q, the caches and everything else exactly as rotary_embedding
+    followed by reshape_and_cache would, padding tokens included; k itself stays unrotated."""
+    from pagedllm.ops import reference
+    from pagedllm.ops import triton as triton_ops
+    heads, kv_heads, head_size = shape
+    tokens, block_size, num_blocks = 13, 8, 4
+    gen = torch.Generator().manual_seed(head_size + tokens)
+    rope = RotaryEmbedding(head_size, 4096, 10000.0)
+    norms = (_norm_layer(head_size, dtype, gen), _norm_layer(head_size, dtype, gen)) if qk_norm else None
+    norm_args = (norms[0].weight, norms[1].weight, norms[0].eps) if qk_norm else None
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens - 2]
+    slots[3] = -1  # skipped; the last two tokens have no slot (padding)
+    scales = (0.5, 0.25) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    if tensor_scales:
+        scales = tuple(torch.tensor([x]) for x in scales)
+    kshape, vshape, cdtype = reference.kv_cache_shapes(num_blocks, block_size, kv_heads, head_size, dtype,
+                                                       kv_cache_dtype, layout)
+    qkv, _ = _qkv(tokens, heads, kv_heads, head_size, dtype, gen)
+    results = []
+    for fused in (False, True):
+        caches = [torch.randint(0, 100, shape_, generator=torch.Generator().manual_seed(7)).to(cdtype)
+                  for shape_ in (kshape, vshape)]
+        x = qkv.clone()
+        q, k, v = x.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+        with torch.no_grad():
+            if fused:
+                _fused().rope_and_cache(positions, q, k, v, head_size, rope.cos_sin_cache, norm_args, *caches,
+                                        slots, kv_cache_dtype, *scales)
+            else:
+                _fused().rotary_embedding(positions, q, k, head_size, rope.cos_sin_cache, norm_args)
+                triton_ops.reshape_and_cache(k.view(tokens, kv_heads, head_size), v.view(tokens, kv_heads, head_size),
+                                             *caches, slots, kv_cache_dtype, *scales)
+        results.append((x, caches))
+    (unfused, unfused_caches), (fused, fused_caches) = results
+    q_size = heads * head_size
+    assert torch.equal(fused[:, :q_size], unfused[:, :q_size])  # q rotated the same
+    assert torch.equal(fused[:, q_size:], qkv[:, q_size:])  # k and v untouched
+    for a, b in zip(fused_caches, unfused_caches):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
     """The layers' wiring: a Qwen3 (per-head q/k norm, 80-dim heads, in-place RoPE on the qkv output)

@@ -52,6 +52,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_mid, blended, scaled)
 
 
+def qk_norm_args(qk_norm: tuple[RMSNorm, RMSNorm] | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The fused kernels' form of Qwen3's q/k norms: (q weight, k weight, eps). One eps serves both: Qwen3
+    builds the two norms from the same config value."""
+    return None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+
+
 class RotaryEmbedding(nn.Module):
     """One per model, shared by its layers: the cache is max_position x head_size float32 (67 MB for
     Llama 3.1's 128K positions), too big to repeat per layer."""
@@ -80,9 +86,7 @@ class RotaryEmbedding(nn.Module):
         The fused kernels (CUDA) rotate q and k in place: pass tensors whose old values are not needed."""
         kernels = fused_kernels(q)
         if kernels is not None:
-            # One eps for both: Qwen3 builds the two norms from the same config value.
-            norm_args = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-            kernels.rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, norm_args)
+            kernels.rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, qk_norm_args(qk_norm))
             return q, k
         if qk_norm is not None:
             q = self._per_head(qk_norm[0], q)

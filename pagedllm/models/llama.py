@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention import Attention, Rope
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_config
 
@@ -56,8 +56,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k, (self.q_norm, self.k_norm) if self.qk_norm else None)
-        return self.o_proj(self.attn(q, k, v))
+        rope = Rope(positions, self.rotary_emb, (self.q_norm, self.k_norm) if self.qk_norm else None)
+        return self.o_proj(self.attn(q, k, v, rope))
 
 
 class LlamaMLP(nn.Module):

@@ -106,6 +106,52 @@ def test_rotary_embedding(dtype, tokens, shape, qk_norm, unfused):
         assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 
 
+@pytest.mark.parametrize("layout", ["vllm", "hnd"])
+@pytest.mark.parametrize("kv_cache_dtype,scales", [("auto", (1.0, 1.0)), ("fp8_e4m3", (0.02, 0.01)),
+                                                   ("fp8_e5m2", "tensor")])
+@pytest.mark.parametrize("tokens", [1, 7, 8192])
+@torch.inference_mode()
+def test_rope_and_cache_equals_rope_then_cache_write(layout, kv_cache_dtype, scales, tokens):
+    """Qwen3's shape in bf16: the fused RoPE + cache write gives q and the caches bit for bit as the two
+    kernels it replaces, padding tokens (slot -1, or past the slot mapping) skipped."""
+    from pagedllm.ops import reference
+    from pagedllm.ops import triton as triton_ops
+    heads, kv_heads, head_size, block_size = 16, 8, 128, 16
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    rope = _rope(head_size, 40960)
+    norms = (_norm_layer(head_size, dtype, gen), _norm_layer(head_size, dtype, gen))
+    norm_args = (norms[0].weight, norms[1].weight, norms[0].eps)
+    positions = torch.randint(0, 40960, (tokens,), generator=gen, device=DEV)
+    num_blocks = tokens // block_size + 4
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEV)[:max(tokens - 1, 1)]
+    slots[0] = -1
+    if scales == "tensor":
+        scales = (torch.tensor([0.03], device=DEV), torch.tensor([0.02], device=DEV))
+    kshape, vshape, cdtype = reference.kv_cache_shapes(num_blocks, block_size, kv_heads, head_size, dtype,
+                                                       kv_cache_dtype, layout)
+    q_size, kv_size = heads * head_size, kv_heads * head_size
+    qkv = (2 * torch.randn(tokens, q_size + 2 * kv_size, generator=gen, device=DEV)).to(dtype)
+    results = []
+    for fuse in (False, True):
+        caches = [torch.zeros(shape, dtype=cdtype, device=DEV) for shape in (kshape, vshape)]
+        x = qkv.clone()
+        q, k, v = x.split([q_size, kv_size, kv_size], dim=-1)
+        if fuse:
+            fused.rope_and_cache(positions, q, k, v, head_size, rope.cos_sin_cache, norm_args, *caches, slots,
+                                 kv_cache_dtype, *scales)
+        else:
+            fused.rotary_embedding(positions, q, k, head_size, rope.cos_sin_cache, norm_args)
+            triton_ops.reshape_and_cache(k.view(tokens, kv_heads, head_size), v.view(tokens, kv_heads, head_size),
+                                         *caches, slots, kv_cache_dtype, *scales)
+        results.append((x, caches))
+    (unfused, unfused_caches), (fused_x, fused_caches) = results
+    assert torch.equal(fused_x[:, :q_size], unfused[:, :q_size])
+    assert torch.equal(fused_x[:, q_size:], qkv[:, q_size:])
+    for a, b in zip(fused_caches, unfused_caches):
+        assert torch.equal(a, b)
+
+
 @torch.inference_mode()
 def test_kernels_replay_in_a_cuda_graph():
     """Captured once, replayed on new inputs: no host sync, no allocation that depends on the data."""

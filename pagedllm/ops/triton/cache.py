@@ -9,7 +9,7 @@ from .paged_tile import cache_offsets, load_scale
 
 
 @triton.jit
-def _store_quantized(ptr, x, scale, mask, FP8: tl.constexpr):
+def store_quantized(ptr, x, scale, mask, FP8: tl.constexpr):
     if FP8 == 0:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
     else:
@@ -49,8 +49,8 @@ def _reshape_and_cache_kernel(
         v_scale_val = load_scale(v_scale, SCALE_PTR)
     k_ptr = key_cache + cache_offsets(block, offset, d, head, stride_kcb, stride_kch, stride_kc2, X, LAYOUT, True)
     v_ptr = value_cache + cache_offsets(block, offset, d, head, stride_vcb, stride_vch, stride_vc2, X, LAYOUT, False)
-    _store_quantized(k_ptr, k, k_scale_val, d_ok, FP8)
-    _store_quantized(v_ptr, v, v_scale_val, d_ok, FP8)
+    store_quantized(k_ptr, k, k_scale_val, d_ok, FP8)
+    store_quantized(v_ptr, v, v_scale_val, d_ok, FP8)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):

@@ -1,6 +1,7 @@
 """Fused elementwise kernels of the decoder layer: RMSNorm (with the residual add), SiLU-and-mul, and RoPE
-(with Qwen3's per-head q/k RMSNorm). Each replaces several PyTorch kernels with one pass over memory and
-needs no host sync and no data-dependent allocation, so it can be captured in a CUDA graph.
+(with Qwen3's per-head q/k RMSNorm; optionally writing the rotated k, and v, into the paged cache). Each
+replaces several PyTorch kernels with one pass over memory and needs no host sync and no data-dependent
+allocation, so it can be captured in a CUDA graph.
 
 The pagedllm.layers modules call these on CUDA tensors; their PyTorch code is the oracle. The kernels
 compute in the same precision and round at the same points: statistics in float32, everything else in
@@ -11,6 +12,10 @@ norms (also the q/k norm before RoPE) and SiLU within an ulp (reduction order, r
 import torch
 import triton
 import triton.language as tl
+
+from . import _host
+from .cache import store_quantized
+from .paged_tile import cache_offsets, load_scale
 
 
 @triton.jit
@@ -79,13 +84,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_heads(x, w, eps, cos, sin, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-                HALF_PAD: tl.constexpr, NORM: tl.constexpr):
-    """Rotate in place the HEADS heads at x (one token, contiguous heads of 2 * HALF): neox style, the
-    first half of each head paired with the second. NORM: RMSNorm each head with weight w first."""
-    h = tl.arange(0, HEADS_PAD)[:, None]
-    d = tl.arange(0, HALF_PAD)[None, :]
-    mask = (h < HEADS) & (d < HALF)
+def _rotated_heads(x, w, eps, cos, sin, h, d, mask, HALF: tl.constexpr, NORM: tl.constexpr):
+    """The heads h at x (one token, contiguous heads of 2 * HALF) rotated neox style, the first half of each
+    head paired with the second: (first halves, second halves) at channels d and d + HALF. NORM: RMSNorm
+    each head with weight w first."""
     ptr = x + h * (2 * HALF) + d
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
@@ -96,14 +98,20 @@ def _rope_heads(x, w, eps, cos, sin, HEADS: tl.constexpr, HEADS_PAD: tl.constexp
         rstd = tl.rsqrt(sum_sq / (2 * HALF) + eps)
         x1 = _rms_scale(x1, tl.load(w + d, mask=d < HALF), rstd)
         x2 = _rms_scale(x2, tl.load(w + HALF + d, mask=d < HALF), rstd)
-    tl.store(ptr, x1 * cos - x2 * sin, mask=mask)
-    tl.store(ptr + HALF, x2 * cos + x1 * sin, mask=mask)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
-def _rope_kernel(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, stride_q, stride_k, stride_cache,
+def _rope_kernel(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping, num_slots,
+                 key_cache, value_cache, k_scale, v_scale,
+                 stride_q, stride_k, stride_v, stride_cache,
+                 stride_kcb, stride_kch, stride_kc2, stride_vcb, stride_vch, stride_vc2,
                  Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS: tl.constexpr,
-                 K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+                 K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
+                 CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+                 FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+    """q rotated in place. k: rotated in place, or with CACHE rotated straight into the paged key cache
+    while v is copied into the value cache (what reshape_and_cache does with the rotated k)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + token).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
@@ -111,8 +119,69 @@ def _rope_kernel(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, stride
     # The cache is float32; like the PyTorch layer, round cos/sin to the model dtype before using them.
     cos = tl.load(row, mask=d < HALF).to(q.dtype.element_ty)
     sin = tl.load(row + HALF, mask=d < HALF).to(q.dtype.element_ty)
-    _rope_heads(q + token * stride_q, q_weight, eps, cos, sin, Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD, NORM)
-    _rope_heads(k + token * stride_k, k_weight, eps, cos, sin, K_HEADS, K_HEADS_PAD, HALF, HALF_PAD, NORM)
+    hq = tl.arange(0, Q_HEADS_PAD)[:, None]
+    q_mask = (hq < Q_HEADS) & (d < HALF)
+    q1, q2 = _rotated_heads(q + token * stride_q, q_weight, eps, cos, sin, hq, d, q_mask, HALF, NORM)
+    q_ptr = q + token * stride_q + hq * (2 * HALF) + d
+    tl.store(q_ptr, q1, mask=q_mask)
+    tl.store(q_ptr + HALF, q2, mask=q_mask)
+    hk = tl.arange(0, K_HEADS_PAD)[:, None]
+    k_mask = (hk < K_HEADS) & (d < HALF)
+    if not CACHE:
+        k1, k2 = _rotated_heads(k + token * stride_k, k_weight, eps, cos, sin, hk, d, k_mask, HALF, NORM)
+        k_ptr = k + token * stride_k + hk * (2 * HALF) + d
+        tl.store(k_ptr, k1, mask=k_mask)
+        tl.store(k_ptr + HALF, k2, mask=k_mask)
+    else:
+        # Tokens past the slot mapping, and slots of -1, are padding: nothing goes into the cache.
+        slot = tl.load(slot_mapping + token, mask=token < num_slots, other=-1).to(tl.int64)
+        if slot >= 0:
+            k1, k2 = _rotated_heads(k + token * stride_k, k_weight, eps, cos, sin, hk, d, k_mask, HALF, NORM)
+            v_ptr = v + token * stride_v + hk * (2 * HALF) + d
+            v1 = tl.load(v_ptr, mask=k_mask)
+            v2 = tl.load(v_ptr + HALF, mask=k_mask)
+            k_scale_val = 1.0
+            v_scale_val = 1.0
+            if FP8 != 0:
+                k_scale_val = load_scale(k_scale, SCALE_PTR)
+                v_scale_val = load_scale(v_scale, SCALE_PTR)
+            block = slot // BLOCK_SIZE
+            offset = slot % BLOCK_SIZE
+            k_off = cache_offsets(block, offset, d, hk, stride_kcb, stride_kch, stride_kc2, X, LAYOUT, True)
+            k_off2 = cache_offsets(block, offset, d + HALF, hk, stride_kcb, stride_kch, stride_kc2, X, LAYOUT, True)
+            v_off = cache_offsets(block, offset, d, hk, stride_vcb, stride_vch, stride_vc2, X, LAYOUT, False)
+            v_off2 = cache_offsets(block, offset, d + HALF, hk, stride_vcb, stride_vch, stride_vc2, X, LAYOUT, False)
+            store_quantized(key_cache + k_off, k1, k_scale_val, k_mask, FP8)
+            store_quantized(key_cache + k_off2, k2, k_scale_val, k_mask, FP8)
+            store_quantized(value_cache + v_off, v1, v_scale_val, k_mask, FP8)
+            store_quantized(value_cache + v_off2, v2, v_scale_val, k_mask, FP8)
+
+
+def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None):
+    """cache: (key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale) or None."""
+    q_heads, k_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # dummies, never read
+    half = head_size // 2
+    tile = triton.next_power_of_2(max(q_heads, k_heads)) * triton.next_power_of_2(half)
+    if cache is None:  # CACHE=False: the cache arguments are dummies, never read
+        v, key_cache, value_cache, slot_mapping = q, q, q, positions
+        layout, block_size, x, fp8, k_scale, v_scale, scale_ptr = 1, 1, 1, 0, 1.0, 1.0, False
+        cache_strides = (0,) * 6
+    else:
+        key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale = cache
+        layout, block_size, x = _host.cache_layout(key_cache, value_cache)
+        fp8 = _host.fp8_kind(kv_cache_dtype)
+        k_scale, v_scale, scale_ptr = _host.scale_args(k_scale, v_scale)
+        cache_strides = (*key_cache.stride()[:3], *value_cache.stride()[:3])
+    _rope_kernel[(q.shape[0],)](
+        q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping, slot_mapping.shape[0],
+        key_cache, value_cache, k_scale, v_scale,
+        q.stride(0), k.stride(0), v.stride(0), cos_sin_cache.stride(0), *cache_strides,
+        Q_HEADS=q_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads),
+        K_HEADS=k_heads, K_HEADS_PAD=triton.next_power_of_2(k_heads), HALF=half,
+        HALF_PAD=triton.next_power_of_2(half), NORM=qk_norm is not None, CACHE=cache is not None,
+        BLOCK_SIZE=block_size, X=x, LAYOUT=layout, FP8=fp8, SCALE_PTR=scale_ptr,
+        num_warps=min(max(tile // 256, 1), 8), enable_fp_fusion=False)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
@@ -120,13 +189,15 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """Neox-style RoPE of q [T, H*D] and k [T, Hkv*D] in place, cos/sin from rows `positions` [T] of
     cos_sin_cache [max_position, D] ([cos | sin], float32). qk_norm = (q weight, k weight, eps): RMSNorm
     each head first (Qwen3). q and k may be strided views of one qkv tensor; each row contiguous."""
-    q_heads, k_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
-    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # dummies, never read
-    half = head_size // 2
-    tile = triton.next_power_of_2(max(q_heads, k_heads)) * triton.next_power_of_2(half)
-    _rope_kernel[(q.shape[0],)](
-        q, k, positions, cos_sin_cache, q_weight, k_weight, eps, q.stride(0), k.stride(0),
-        cos_sin_cache.stride(0), Q_HEADS=q_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads),
-        K_HEADS=k_heads, K_HEADS_PAD=triton.next_power_of_2(k_heads), HALF=half,
-        HALF_PAD=triton.next_power_of_2(half), NORM=qk_norm is not None, num_warps=min(max(tile // 256, 1), 8),
-        enable_fp_fusion=False)
+    _rope(positions, q, k, head_size, cos_sin_cache, qk_norm)
+
+
+def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_size: int,
+                   cos_sin_cache: torch.Tensor, qk_norm, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale, v_scale) -> None:
+    """rotary_embedding of q in place, with the rotated k and v [T, Hkv*D] written straight into the paged
+    caches (either layout, fp8 included) as reshape_and_cache would: one kernel instead of two, and the
+    rotated k is never written back. k is left as it was; tokens past slot_mapping or at slot -1 are
+    padding."""
+    _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v,
+          (key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale))
