@@ -6,9 +6,13 @@ step, GPU-busy time per step (sum of kernel times), and the top kernels and host
 JSON to --out.
 
     python benchmarks/step_profile.py --model qwen3-0.6b --steps 20 --out step_profile.json
+    python benchmarks/step_profile.py --phase prefill --steps 5 --trace prefill_trace.json.gz
 """
 import argparse
+import gzip
 import json
+import os
+import shutil
 import time
 
 import torch
@@ -29,6 +33,7 @@ def main():
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                         help="profile decode-only steps once every prompt is in, or the first steps (prefills)")
     parser.add_argument("--out", default="step_profile.json")
+    parser.add_argument("--trace", help="also write the profiler's Chrome trace, gzipped, to this path")
     args = parser.parse_args()
     llm = LLM(model_dir_for(args.model), load_format="dummy", dtype="bfloat16", max_model_len=4096,
               max_num_seqs=args.num_requests, enforce_eager=args.enforce_eager,
@@ -59,6 +64,12 @@ def main():
             walls.append(now - last)
             last = now
         torch.cuda.synchronize()
+    if args.trace:
+        raw = args.trace.removesuffix(".gz")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(raw)
     events = prof.key_averages()
     # Self device time is charged to the kernels themselves, so its sum is the GPU-busy time.
     gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / args.steps
