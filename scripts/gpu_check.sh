@@ -4,12 +4,7 @@
 # The tests run as parallel processes, one per file and the long Triton grid in three shards (compiling
 # Triton and CUDA kernels is CPU-bound and the machine has cores to spare); the benchmarks run after them,
 # alone on the GPU.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/latest}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/env.sh"
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 pids=()

@@ -4,12 +4,7 @@
 # against batch size (JSON + PNG) and torch.profiler step profiles at 256 and 1 running sequences.
 # Everything goes under $OUT (else benchmarks/results/latest); a short table ends the output.
 # STAGES picks a subset: tests, throughput, latency, profile (default: all).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/latest}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/env.sh"
 STAGES=${STAGES:-tests throughput latency profile}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"

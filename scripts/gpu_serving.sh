@@ -1,13 +1,8 @@
 #!/usr/bin/env bash
 # Serving benchmark on the GPU machine: `pagedllm serve` on a Qwen3-0.6B-shaped random-weight model, then a
 # request-rate sweep with benchmarks/serving.py. Needs fastapi/uvicorn/openai there (carried as wheels).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/latest}
+source "$(dirname "$0")/env.sh"
 PORT=${PORT:-18000}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
 model=$(mktemp -d)
 cat > "$model/config.json" <<'JSON'
 {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,

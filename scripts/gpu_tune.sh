@@ -2,12 +2,7 @@
 # Tuning and profiling visit on the GPU machine: Nsight Compute sections of the Triton decode and prefill
 # kernels on both cache layouts, a torch.profiler view of the engine's decode steps
 # (benchmarks/step_profile.py) and the launch-config sweep (benchmarks/triton_tuning.py), all under $OUT.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/latest}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/env.sh"
 SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats
           --section LaunchStats --section SchedulerStats"
 for kind in decode prefill; do
