@@ -235,3 +235,22 @@ def test_async_scheduling_equals_synchronous(llm):
         if batch[0] is cases[0]:
             assert got[0].outputs[0].stop_reason == " 7"
     assert llm.engine.kv_cache_manager.usage == 0.0 and llm.engine.stats()["num_requests_running"] == 0
+
+
+def test_one_output_per_request_when_a_waiting_step_follows_an_overlapped_one(llm):
+    """A request with penalties makes its step wait; the overlapped step before it is read back in the same
+    call. Each request still gets one (cumulative) output per call."""
+    engine = llm.engine
+    engine.add_request("plain", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("penalised", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                                               repetition_penalty=1.2))
+    lengths = {"plain": []}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        ids = [o.request_id for o in outs]
+        assert len(ids) == len(set(ids))
+        lengths["plain"] += [len(o.outputs[0].token_ids) for o in outs if o.request_id == "plain"]
+    assert lengths["plain"][-1] == 8 and lengths["plain"] == sorted(lengths["plain"])
+    assert engine.kv_cache_manager.usage == 0.0

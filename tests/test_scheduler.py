@@ -415,6 +415,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert scheduler.num_preemptions == sum(r.num_preemptions for r in self.all_requests)
 
     @invariant()
+    def placeholders_are_the_tokens_in_flight(self):
+        # A live request is one token ahead exactly when it samples in the step not yet delivered.
+        in_flight = set()
+        if self.in_flight is not None:
+            in_flight = {id(item.request) for item in self.in_flight[0].scheduled if item.sample}
+        for request in self.all_requests:
+            if not request.is_finished:
+                assert request.num_placeholders == (id(request) in in_flight)
+
+    @invariant()
     def prefix_cache_is_consistent(self):
         pool, bs = self.manager.block_pool, self.manager.block_size
         if not self.manager.enable_caching:

@@ -151,7 +151,10 @@ class LLMEngine:
         outputs = self._process(previous, final_only) if previous is not None else []
         if self._in_flight is None:
             outputs += self._process(current, final_only)
-        return outputs
+        # One output per request per call, as callers expect: when two steps are read back in one call (an
+        # overlapped step, then one that had to wait), the later output replaces the earlier (outputs are
+        # cumulative).
+        return list({o.request_id: o for o in outputs}.values())
 
     def _overlaps(self, sampling: list[Request]) -> bool:
         # Penalties read every token of the request, so the next step must wait for this one's.

@@ -36,7 +36,7 @@ class SamplerOutput:
             tensors = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                             for t in tensors)
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(token_ids.device))
         self._host = tensors
         self._lists: tuple[list[int], list[dict[int, float] | None]] | None = None
 

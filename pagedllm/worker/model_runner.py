@@ -227,7 +227,7 @@ class Uploader:
         for a, offset in zip(arrays, offsets):
             host[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
         packed = buffer[:total].to(self.device, non_blocking=True)
-        copied.record()
+        copied.record(torch.cuda.current_stream(self.device))
         return [packed[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
                 for a, offset in zip(arrays, offsets)]
 
