@@ -269,6 +269,28 @@ def test_stop_token_and_length_cap():
     assert stopped.status == RequestStatus.FINISHED_STOPPED and stopped.stop_reason == STOP
 
 
+def test_block_completed_by_a_token_in_flight_is_cached_once_known():
+    """Overlapped steps: the decode that completes a block runs before its token reaches the host, so the
+    block cannot be hashed then; when the request finishes without another allocation, freeing it registers
+    the block, and a later prompt with that prefix hits it."""
+    scheduler, manager = make_scheduler(num_blocks=8, block_size=4, max_model_len=32)
+    model = FakeModel(manager)
+    request = make_request("a", [1, 2, 3], 2, stop=False)
+    scheduler.add_request(request)
+    first = scheduler.schedule()  # prefill; samples token 4 (a placeholder until delivered)
+    first_sampled = model.execute(first)
+    second = scheduler.schedule()  # decodes position 3 with the placeholder: block 0 is now full
+    assert [it.num_new_tokens for it in second.scheduled] == [1] and not manager.block_pool.cached_blocks
+    second_sampled = model.execute(second)
+    scheduler.update_from_output(first, first_sampled)
+    assert scheduler.schedule().scheduled == []  # its next token is its last: nothing left to decode
+    scheduler.update_from_output(second, second_sampled)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and manager.num_free_blocks == 8
+    follower = make_request("b", request.all_token_ids[:4] + [5], 1, stop=False)
+    scheduler.add_request(follower)
+    assert manager.get_computed_blocks(follower)[1] == 4
+
+
 def test_missing_sampled_token_is_an_error():
     scheduler, _ = make_scheduler()
     scheduler.add_request(make_request("a", [1, 2], 4))
@@ -357,6 +379,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _step(self, abort_pick=None, overlap=False):
         scheduler = self.scheduler
+        # Blocks are registered in the cache when scheduled and when freed (preemption, finishing): every
+        # prefix a request has reached is recorded before either can happen.
+        self._record_hashes(self.all_requests)
         output = scheduler.schedule()
         items = output.scheduled
         assert output.num_batched_tokens == sum(item.num_new_tokens for item in items)
@@ -368,7 +393,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         if output.preempted:
             # Victims are the latest arrivals, and nothing new is admitted in a step that preempts.
             assert max((i.request.arrival for i in items), default=-1) < min(r.arrival for r in output.preempted)
-        self._record_hashes([item.request for item in items])
         sampled = self.model.execute(output)
         if abort_pick is not None and items:
             victim = items[abort_pick % len(items)].request
@@ -380,6 +404,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if step is None:
                 continue
             for request in scheduler.update_from_output(*step):
+                self._record_hashes([request])
                 if request.is_finished:
                     assert request.output_token_ids == self.expected.pop(request.request_id)
 

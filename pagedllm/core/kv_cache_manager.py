@@ -124,9 +124,18 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its last blocks are the first to be evicted."""
+        """Release the request's blocks, tail first, so its last blocks are the first to be evicted.
+
+        Full blocks whose K/V is computed but which could not be hashed when allocated (a token still on
+        its way completed them, with asynchronous scheduling) are registered first, so the prefix cache
+        keeps them as it keeps every other full block."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        if self.enable_caching and blocks:
+            update_block_hashes(request, self.block_size)
+            num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
+            if num_full > num_cached:
+                self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_blocks(self, request: Request) -> list[KVCacheBlock]:
