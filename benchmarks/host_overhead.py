@@ -58,8 +58,9 @@ class StepTimer:
         runner.sampler = self._timed("sampler", runner.sampler)
         # nn.Module.__call__ looks forward up on the instance, so this times the forward pass itself.
         model.forward = self._timed("forward", self._unprofiled(model.forward))
-        if runner.graphs is not None:
-            runner.graphs.run = self._timed("forward", self._unprofiled(runner.graphs.run))
+        for graphs in (runner.decode_graphs, runner.piecewise_graphs):
+            if graphs is not None:
+                graphs.run = self._timed("forward", self._unprofiled(graphs.run))
         model.compute_logits = self._timed("logits", model.compute_logits)
         engine.step = self._timed_step(engine.step)
 

@@ -13,6 +13,7 @@ _DTYPES = {
 }
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "piecewise", "none")
 
 
 @dataclass
@@ -34,8 +35,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     attention_backend: str | None = None
-    # Decode steps on the GPU replay CUDA graphs unless this is set.
+    # No CUDA graphs at all (same as cudagraph_mode="none").
     enforce_eager: bool = False
+    # vLLM's names: "full_and_piecewise" replays whole-step graphs for decode-only steps and piecewise graphs
+    # (everything but attention) for the others; "full_decode_only", "piecewise" or "none" keep one or neither.
+    cudagraph_mode: str = "full_and_piecewise"
     # Schedule and queue step N+1 before reading back step N's tokens, so the host's work overlaps the
     # device's (vLLM's --async-scheduling). Steps with repetition/frequency/presence penalties still wait.
     async_scheduling: bool = True
@@ -69,6 +73,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        self.cudagraph_mode = str(self.cudagraph_mode).lower()
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
         if self.attention_backend not in (None, "reference", "triton", "cuda"):
             raise ValueError(f"attention_backend must be reference, triton or cuda, got {self.attention_backend!r}")
 
@@ -89,6 +96,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(names - {'model'})}")
         return cls(model=model, **kwargs)
+
+    def graph_modes(self) -> tuple[bool, bool]:
+        """(decode-only steps in whole-step graphs, other steps in piecewise graphs)."""
+        mode = "none" if self.enforce_eager else self.cudagraph_mode
+        return mode in ("full_and_piecewise", "full_decode_only"), mode in ("full_and_piecewise", "piecewise")
 
     def torch_dtype(self, model_dtype: torch.dtype | None) -> torch.dtype:
         """'auto' keeps a half-precision checkpoint's dtype on the GPU and uses float32 on the CPU."""

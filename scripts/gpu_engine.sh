@@ -14,7 +14,7 @@ if has tests; then
   # pytest-xdist, where present, runs the files side by side (model loading and compiling are CPU-bound).
   xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
   $PY -m pytest -q -p no:cacheprovider --durations=5 $xdist tests/gpu/test_engine_gpu.py tests/gpu/test_sampler_gpu.py \
-    tests/gpu/test_uploader_gpu.py tests/gpu/test_fused_gpu.py \
+    tests/gpu/test_uploader_gpu.py tests/gpu/test_fused_gpu.py tests/gpu/test_cuda_graph_gpu.py \
     > "$OUT/engine_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/engine_tests.log"
 fi

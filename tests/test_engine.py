@@ -102,6 +102,8 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(llm):
         llm.generate([[10**9]], use_tqdm=False)
     with pytest.raises(ValueError, match="unknown engine option"):
         LLM(MODEL, no_such_option=1)
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        LLM(MODEL, cudagraph_mode="full")
     out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.stats()["kv_cache_usage_perc"] == 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ class AttentionMetadata:
     prefill_max_query_len: int
     prefill_max_seq_len: int
     sparse_prefill: SparsePrefill | None = None
+    # Set while piecewise CUDA graphs are captured: each layer hands its q [T, H, D] here after the cache
+    # write and gets back the buffer its attention output will be in (see worker/cuda_graph.py).
+    graph_split: Callable[[Attention, torch.Tensor], torch.Tensor] | None = None
 
 
 _forward_context: AttentionMetadata | None = None
@@ -104,6 +108,16 @@ class Attention(nn.Module):
         """rope: rotate q and k first. The fused kernels rotate q in place: pass a q whose old values are
         not needed."""
         meta = get_forward_context()
+        q = self.store(meta, q, k, v, rope)
+        if meta.graph_split is not None:
+            return meta.graph_split(self, q)
+        out = torch.empty_like(q)
+        self.attend(meta, q, out)
+        return out.view(q.shape[0], self.num_heads * self.head_size)
+
+    def store(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rope: Rope | None) -> torch.Tensor:
+        """Rotates q and k when given a Rope, writes k and v into the cache; returns q as [T, H, D]."""
         num_tokens = q.shape[0]
         kernels = fused_kernels(q) if rope is not None else None
         if kernels is not None:
@@ -117,9 +131,11 @@ class Attention(nn.Module):
                                   v.view(num_tokens, self.num_kv_heads, self.head_size), self.key_cache,
                                   self.value_cache, meta.slot_mapping, self.kv_cache_dtype, self.k_scale,
                                   self.v_scale)
-        q = q.view(num_tokens, self.num_heads, self.head_size)
-        out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
+        return q.view(num_tokens, self.num_heads, self.head_size)
+
+    def attend(self, meta: AttentionMetadata, q: torch.Tensor, out: torch.Tensor) -> None:
+        """out[T, H, D] = attention of q [T, H, D] over the cache, decodes and prefills as meta says."""
+        nd, num_tokens = meta.num_decode_tokens, q.shape[0]
         if nd > 0:
             ops.paged_attention(out[:nd], q[:nd], self.key_cache, self.value_cache, self.num_kv_heads,
                                 self.scale, meta.decode_block_tables, meta.decode_seq_lens, self.block_size,
@@ -136,4 +152,3 @@ class Attention(nn.Module):
             else:
                 xattention.xattention_paged_prefill(*args, threshold=sparse.threshold, stride=sparse.stride,
                                                     block_size=sparse.block_size)
-        return out.view(num_tokens, self.num_heads * self.head_size)

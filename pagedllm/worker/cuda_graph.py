@@ -1,10 +1,16 @@
-"""CUDA graphs of the decode-only forward pass, one per batch size of a ladder.
+"""CUDA graphs of the forward pass (vLLM's cudagraph modes "full_decode_only" and "piecewise" together).
 
-A decode step launches a few kernels per layer, each shorter than Python's launch cost, so the step is
-captured once per batch size and replayed. The graphs read static buffers: a step copies its inputs (already
-on the device, padded up to the next captured size with rows that write no KV (slot -1) and attend to
-nothing (seq_len 0)) into them. Captured with max_seq_len = max_model_len so one graph serves every context
-length.
+A step launches ~10 kernels per layer and Python spends longer launching most of them than the GPU spends
+running them, so steps replay captured graphs instead:
+
+- DecodeGraphs: decode-only steps, the whole forward pass in one graph per batch size of a ladder. The step's
+  inputs (already on the device, padded up to the next captured size with rows that write no KV (slot -1)
+  and attend to nothing (seq_len 0)) are copied into static buffers. Captured with max_seq_len =
+  max_model_len so one graph serves every context length.
+- PiecewiseGraphs: any other step (prefills, mixed batches) up to PIECEWISE_MAX_TOKENS, one graph per layer
+  boundary per token count of a ladder: everything but the attention kernels, whose launch grids depend on
+  the step's sequences, is captured; attention runs eagerly between the replays. A step is padded up to the
+  next captured token count with tokens that write no KV (slot -1); attention sees only the real tokens.
 """
 from __future__ import annotations
 
@@ -12,9 +18,13 @@ import math
 
 import torch
 
-from pagedllm.layers.attention import AttentionMetadata, set_forward_context
+from pagedllm.layers.attention import Attention, AttentionMetadata, set_forward_context
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Token counts of the piecewise graphs: twice as many each step while the padding costs little, then steps of
+# 1024 (at most 1/8 of padding above 8K). Bigger steps run eagerly: their GPU work outlasts the launches.
+PIECEWISE_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
+PIECEWISE_MAX_TOKENS = PIECEWISE_SIZES[-1]
 
 
 class DecodeGraphs:
@@ -77,3 +87,94 @@ class DecodeGraphs:
         self.block_tables[:bs, :block_tables.shape[1]].copy_(block_tables)
         self.graphs[bs].replay()
         return self.outputs[bs]
+
+
+class PiecewiseGraphs:
+    """Graphs of everything between the attention kernels, for steps of up to max_tokens tokens.
+
+    Per captured token count there are num_layers + 1 graphs; graph i ends where layer i's attention would
+    run, after its q/k/v projection and the cache write, with q copied into a static buffer; graph i + 1
+    starts by reading the attention output from another static buffer. All graphs share one memory pool and
+    always replay in capture order, so a graph may reuse memory that an earlier one has finished with.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_tokens: int, num_heads: int,
+                 head_size: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.sizes = [s for s in PIECEWISE_SIZES if s < max_tokens] + [max_tokens]
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.q = torch.zeros(n, num_heads, head_size, dtype=dtype, device=device)
+        self.out = torch.zeros(n, num_heads, head_size, dtype=dtype, device=device)
+        self.layers: list[Attention] = []  # in the order the forward pass reaches them
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capturing: list[torch.cuda.CUDAGraph] | None = None
+        self._pool = None
+
+    def _split(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        self.q[:num_tokens].copy_(q)
+        if self._capturing is not None:
+            self._end_graph()
+            self._begin_graph()
+        elif not self.graphs:  # the first warm-up run
+            self.layers.append(layer)
+        return self.out[:num_tokens].view(num_tokens, -1)
+
+    def _begin_graph(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self._pool)
+        self._capturing.append(graph)
+
+    def _end_graph(self) -> None:
+        self._capturing[-1].capture_end()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
+            meta = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:size], num_decode_tokens=0, decode_block_tables=None,
+                decode_seq_lens=None, decode_max_seq_len=0, prefill_block_tables=None, prefill_seq_lens=None,
+                prefill_query_start_loc=None, prefill_max_query_len=0, prefill_max_seq_len=0,
+                graph_split=self._split)
+            with set_forward_context(meta):
+                # A run outside the graphs compiles every kernel for this shape (the first also lists the layers).
+                self.model(self.input_ids[:size], self.positions[:size])
+                torch.cuda.synchronize()
+                self._capturing = []
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._begin_graph()
+                    self.outputs[size] = self.model(self.input_ids[:size], self.positions[:size])
+                    self._end_graph()
+                torch.cuda.current_stream().wait_stream(stream)
+            if len(self._capturing) != len(self.layers) + 1:
+                raise RuntimeError(f"piecewise capture found {len(self._capturing) - 1} attention layers, "
+                                   f"expected {len(self.layers)}")
+            self.graphs[size], self._capturing = self._capturing, None
+        torch.cuda.synchronize()
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of a step of T <= max_tokens tokens from its inputs on the device."""
+        n = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        # A larger step left real slots here: padding must not write its garbage K/V over them.
+        self.slot_mapping[n:size].fill_(-1)
+        graphs = self.graphs[size]
+        q, out = self.q[:n], self.out[:n]
+        for graph, layer in zip(graphs, self.layers):
+            graph.replay()
+            layer.attend(meta, q, out)
+        graphs[-1].replay()
+        return self.outputs[size][:n]

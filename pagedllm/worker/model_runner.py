@@ -15,7 +15,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput
-from pagedllm.worker.cuda_graph import DecodeGraphs
+from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs
 
 
 def head_size_of(hf_config) -> int:
@@ -46,13 +46,19 @@ class ModelRunner:
         self._sampled_rows: dict[str, int] = {}
         self._sampled_ids: torch.Tensor | None = None
         self.uploader = Uploader(self.device)
-        self.graphs = None
+        self.decode_graphs = self.piecewise_graphs = None
         # The reference ops read lengths on the host, which a graph cannot replay.
-        if (self.device.type == "cuda" and not config.enforce_eager
-                and ops.get_backend(self.device) is not ops.reference):
-            self.graphs = DecodeGraphs(model, self.device, config.max_num_seqs, config.max_model_len,
-                                       self.block_size)
-            self.graphs.capture()
+        if self.device.type == "cuda" and ops.get_backend(self.device) is not ops.reference:
+            full, piecewise = config.graph_modes()
+            if full:
+                self.decode_graphs = DecodeGraphs(model, self.device, config.max_num_seqs, config.max_model_len,
+                                           self.block_size)
+                self.decode_graphs.capture()
+            if piecewise:
+                self.piecewise_graphs = PiecewiseGraphs(
+                    model, self.device, min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS),
+                    hf_config.num_attention_heads, self.head_size, dtype)
+                self.piecewise_graphs.capture()
 
     def _cache_shapes(self, num_blocks: int):
         return ops.kv_cache_shapes(num_blocks, self.block_size, self.num_kv_heads, self.head_size,
@@ -181,17 +187,21 @@ class ModelRunner:
         if not items:
             return [], None
         decode_only = items[-1].num_new_tokens == 1
-        if self.graphs is not None and decode_only and self.graphs.fits(len(items)):
-            step = self.prepare(items, blocks_of, self.graphs.padded_size(len(items)))
+        if self.decode_graphs is not None and decode_only and self.decode_graphs.fits(len(items)):
+            step = self.prepare(items, blocks_of, self.decode_graphs.padded_size(len(items)))
             dev = self._upload(step)
-            hidden = self.graphs.run(*(dev[name] for name in ("input_ids", "positions", "slot_mapping",
+            hidden = self.decode_graphs.run(*(dev[name] for name in ("input_ids", "positions", "slot_mapping",
                                                               "decode_seq_lens", "decode_block_tables")))
             hidden = hidden[:len(items)]
         else:
             step = self.prepare(items, blocks_of)
             dev = self._upload(step)
-            with set_forward_context(self._metadata(step, dev)):
-                hidden = self.model(dev["input_ids"], dev["positions"])
+            meta = self._metadata(step, dev)
+            if self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(step.input_ids)):
+                hidden = self.piecewise_graphs.run(dev["input_ids"], dev["positions"], meta)
+            else:
+                with set_forward_context(meta):
+                    hidden = self.model(dev["input_ids"], dev["positions"])
         sampling = [it.request for it in items if it.sample]
         if not sampling:
             return [], None

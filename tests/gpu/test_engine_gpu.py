@@ -9,6 +9,8 @@ Dtypes and tolerances:
   sequence: its logit must be within a small fraction of that row's spread of the best one (2% for bf16,
   5% with fp8 K/V). A wrong kernel misses that by far (a random token sits ~50% of the spread below).
 """
+import functools
+
 import pytest
 import torch
 
@@ -49,7 +51,9 @@ def prompts(vocab):
 def ours(path, **options):
     from pagedllm import LLM, SamplingParams
     llm = LLM(str(path), device="cuda", num_kv_blocks=2048, max_model_len=4096, max_num_seqs=8, **options)
-    assert (llm.engine.runner.graphs is None) == options.get("enforce_eager", False)
+    runner = llm.engine.runner
+    full, piecewise = llm.engine.config.graph_modes()
+    assert (runner.decode_graphs is not None, runner.piecewise_graphs is not None) == (full, piecewise)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     vocab = llm.engine.hf_config.vocab_size
     outs = llm.generate(prompts(vocab), params, use_tqdm=False)
@@ -71,10 +75,19 @@ def test_float32_greedy_equals_transformers(hf_model_dir):
     assert got == expected
 
 
-def test_cuda_graphs_equal_eager(hf_model_dir):
-    """Graph replays pad the batch and plan decode for max_model_len: the same tokens must come out."""
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise", "full_decode_only"])
+@pytest.mark.parametrize("budget", [None, 512], ids=["one-step-prefill", "chunked"])
+def test_cuda_graphs_equal_eager(hf_model_dir, mode, budget):
+    """Graph replays pad the batch (decode graphs also plan decode for max_model_len; piecewise graphs run
+    attention eagerly between them): the same tokens must come out. A 512-token budget chunks the long
+    prompts, so steps mix decodes with prefill chunks of cached prefixes."""
     path, _ = hf_model_dir
-    assert ours(path, dtype="float32") == ours(path, dtype="float32", enforce_eager=True)
+    assert ours(path, dtype="float32", cudagraph_mode=mode, max_num_batched_tokens=budget) == eager(path, budget)
+
+
+@functools.lru_cache(maxsize=None)
+def eager(path, budget):
+    return ours(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=budget)
 
 
 def test_async_scheduling_equals_synchronous(hf_model_dir):
