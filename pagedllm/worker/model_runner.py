@@ -59,6 +59,19 @@ class ModelRunner:
                     model, self.device, min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS),
                     hf_config.num_attention_heads, self.head_size, dtype)
                 self.piecewise_graphs.capture()
+        if self.device.type == "cuda":
+            self._load_logits_kernels()
+
+    @torch.inference_mode()
+    def _load_logits_kernels(self) -> None:
+        """cuBLAS picks the LM head's kernel by row count, and CUDA loads a kernel lazily at its first launch,
+        synchronising the device: a row count first seen mid-run stalls the pipeline of overlapped steps
+        (~10 ms each time on the H100). So every row count a step can sample runs once here."""
+        hidden = torch.zeros(self.config.max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        for rows in range(1, self.config.max_num_seqs + 1):
+            self.model.compute_logits(hidden[:rows]).argmax(dim=-1)
+        torch.cuda.synchronize(self.device)
 
     def _cache_shapes(self, num_blocks: int):
         return ops.kv_cache_shapes(num_blocks, self.block_size, self.num_kv_heads, self.head_size,
