@@ -196,7 +196,10 @@ class ModelRunner:
                 ) -> tuple[list[Request], SamplerOutput | None]:
         """Queues one step on the device; returns the requests that sample a token in it and their samples.
         Nothing here waits for the device: reading the samples does."""
-        items = sorted(sched.scheduled, key=lambda it: it.num_new_tokens != 1)
+        # Decodes first, each kind longest first: the attention kernels start one program per sequence and
+        # kv head in row order, so a long sequence started last would run on alone at the end of the launch.
+        items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1,
+                                                        -it.num_computed_tokens - it.num_new_tokens))
         if not items:
             return [], None
         decode_only = items[-1].num_new_tokens == 1
