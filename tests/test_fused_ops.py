@@ -175,6 +175,16 @@ def test_rope_and_cache_equals_rope_then_cache_write(layout, dtype, kv_cache_dty
     for a, b in zip(fused_caches, unfused_caches):
         assert torch.equal(a, b)
 
+    # With q_out (what piecewise CUDA graphs use), the rotated q lands there and q itself is left alone.
+    x = qkv.clone()
+    q, k, v = x.split([q_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    q_out = torch.full((tokens + 3, heads, head_size), 7.0, dtype=dtype)
+    with torch.no_grad():
+        _fused().rope_and_cache(positions, q, k, v, head_size, rope.cos_sin_cache, norm_args, *fused_caches,
+                                slots, kv_cache_dtype, *scales, q_out=q_out[:tokens])
+    assert torch.equal(q_out[:tokens].view(tokens, q_size), unfused[:, :q_size])
+    assert bool((q_out[tokens:] == 7.0).all()) and torch.equal(x, qkv)
+
 
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from pagedllm import ops
 from pagedllm.layers.norm import RMSNorm, fused_kernels
 from pagedllm.layers.rotary import RotaryEmbedding, qk_norm_args
 from pagedllm.ops import xattention
+
+if TYPE_CHECKING:
+    from pagedllm.worker.cuda_graph import PiecewiseGraphs
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,10 @@ class AttentionMetadata:
     prefill_max_query_len: int
     prefill_max_seq_len: int
     sparse_prefill: SparsePrefill | None = None
-    # Set while piecewise CUDA graphs are captured: each layer hands its q [T, H, D] here after the cache
-    # write and gets back the buffer its attention output will be in (see worker/cuda_graph.py).
-    graph_split: Callable[[Attention, torch.Tensor], torch.Tensor] | None = None
+    # Set while piecewise CUDA graphs are captured (worker/cuda_graph.py): each layer rotates its q into
+    # graph_split.q, then graph_split.split(layer) ends the graph there and returns where the attention
+    # output will be.
+    graph_split: PiecewiseGraphs | None = None
 
 
 _forward_context: AttentionMetadata | None = None
@@ -108,22 +112,25 @@ class Attention(nn.Module):
         """rope: rotate q and k first. The fused kernels rotate q in place: pass a q whose old values are
         not needed."""
         meta = get_forward_context()
-        q = self.store(meta, q, k, v, rope)
-        if meta.graph_split is not None:
-            return meta.graph_split(self, q)
+        split = meta.graph_split
+        q = self.store(meta, q, k, v, rope, None if split is None else split.q[:q.shape[0]])
+        if split is not None:
+            return split.split(self)
         out = torch.empty_like(q)
         self.attend(meta, q, out)
         return out.view(q.shape[0], self.num_heads * self.head_size)
 
     def store(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rope: Rope | None) -> torch.Tensor:
-        """Rotates q and k when given a Rope, writes k and v into the cache; returns q as [T, H, D]."""
+              rope: Rope | None, q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotates q and k when given a Rope, writes k and v into the cache; returns q as [T, H, D], in q_out
+        when given."""
         num_tokens = q.shape[0]
         kernels = fused_kernels(q) if rope is not None else None
         if kernels is not None:
             kernels.rope_and_cache(rope.positions, q, k, v, self.head_size, rope.rotary.cos_sin_cache,
                                    qk_norm_args(rope.qk_norm), self.key_cache, self.value_cache,
-                                   meta.slot_mapping, self.kv_cache_dtype, self.k_scale, self.v_scale)
+                                   meta.slot_mapping, self.kv_cache_dtype, self.k_scale, self.v_scale, q_out)
+            q = q if q_out is None else q_out
         else:
             if rope is not None:
                 q, k = rope.rotary(rope.positions, q, k, rope.qk_norm)
@@ -131,6 +138,8 @@ class Attention(nn.Module):
                                   v.view(num_tokens, self.num_kv_heads, self.head_size), self.key_cache,
                                   self.value_cache, meta.slot_mapping, self.kv_cache_dtype, self.k_scale,
                                   self.v_scale)
+            if q_out is not None:
+                q = q_out.copy_(q.view(q_out.shape))
         return q.view(num_tokens, self.num_heads, self.head_size)
 
     def attend(self, meta: AttentionMetadata, q: torch.Tensor, out: torch.Tensor) -> None:

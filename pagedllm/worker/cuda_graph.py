@@ -93,7 +93,7 @@ class PiecewiseGraphs:
     """Graphs of everything between the attention kernels, for steps of up to max_tokens tokens.
 
     Per captured token count there are num_layers + 1 graphs; graph i ends where layer i's attention would
-    run, after its q/k/v projection and the cache write, with q copied into a static buffer; graph i + 1
+    run, after its q/k/v projection and the cache write, which leaves the rotated q in a static buffer; graph i + 1
     starts by reading the attention output from another static buffer. All graphs share one memory pool and
     always replay in capture order, so a graph may reuse memory that an earlier one has finished with.
     """
@@ -112,17 +112,17 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capturing: list[torch.cuda.CUDAGraph] | None = None
+        self._num_tokens = 0  # of the size being captured
         self._pool = None
 
-    def _split(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
-        num_tokens = q.shape[0]
-        self.q[:num_tokens].copy_(q)
+    def split(self, layer: Attention) -> torch.Tensor:
+        """Called by each layer while capturing, its q already in self.q: the graph ends here."""
         if self._capturing is not None:
             self._end_graph()
             self._begin_graph()
         elif not self.graphs:  # the first warm-up run
             self.layers.append(layer)
-        return self.out[:num_tokens].view(num_tokens, -1)
+        return self.out[:self._num_tokens].view(self._num_tokens, -1)
 
     def _begin_graph(self) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -141,7 +141,8 @@ class PiecewiseGraphs:
                 slot_mapping=self.slot_mapping[:size], num_decode_tokens=0, decode_block_tables=None,
                 decode_seq_lens=None, decode_max_seq_len=0, prefill_block_tables=None, prefill_seq_lens=None,
                 prefill_query_start_loc=None, prefill_max_query_len=0, prefill_max_seq_len=0,
-                graph_split=self._split)
+                graph_split=self)
+            self._num_tokens = size
             with set_forward_context(meta):
                 # A run outside the graphs compiles every kernel for this shape (the first also lists the layers).
                 self.model(self.input_ids[:size], self.positions[:size])

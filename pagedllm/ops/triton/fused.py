@@ -102,16 +102,16 @@ def _rotated_heads(x, w, eps, cos, sin, h, d, mask, HALF: tl.constexpr, NORM: tl
 
 
 @triton.jit
-def _rope_kernel(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping, num_slots,
+def _rope_kernel(q, q_out, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping, num_slots,
                  key_cache, value_cache, k_scale, v_scale,
-                 stride_q, stride_k, stride_v, stride_cache,
+                 stride_q, stride_qo, stride_k, stride_v, stride_cache,
                  stride_kcb, stride_kch, stride_kc2, stride_vcb, stride_vch, stride_vc2,
                  Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS: tl.constexpr,
                  K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
                  CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
                  FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
-    """q rotated in place. k: rotated in place, or with CACHE rotated straight into the paged key cache
-    while v is copied into the value cache (what reshape_and_cache does with the rotated k)."""
+    """q rotated into q_out (q itself: in place). k: rotated in place, or with CACHE rotated straight into the
+    paged key cache while v is copied into the value cache (what reshape_and_cache does with the rotated k)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + token).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
@@ -122,7 +122,7 @@ def _rope_kernel(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slo
     hq = tl.arange(0, Q_HEADS_PAD)[:, None]
     q_mask = (hq < Q_HEADS) & (d < HALF)
     q1, q2 = _rotated_heads(q + token * stride_q, q_weight, eps, cos, sin, hq, d, q_mask, HALF, NORM)
-    q_ptr = q + token * stride_q + hq * (2 * HALF) + d
+    q_ptr = q_out + token * stride_qo + hq * (2 * HALF) + d
     tl.store(q_ptr, q1, mask=q_mask)
     tl.store(q_ptr + HALF, q2, mask=q_mask)
     hk = tl.arange(0, K_HEADS_PAD)[:, None]
@@ -157,8 +157,9 @@ def _rope_kernel(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slo
             store_quantized(value_cache + v_off2, v2, v_scale_val, k_mask, FP8)
 
 
-def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None):
+def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None, q_out=None):
     """cache: (key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale) or None."""
+    q_out = q if q_out is None else q_out.view(q.shape)
     q_heads, k_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # dummies, never read
     half = head_size // 2
@@ -174,9 +175,9 @@ def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None
         k_scale, v_scale, scale_ptr = _host.scale_args(k_scale, v_scale)
         cache_strides = (*key_cache.stride()[:3], *value_cache.stride()[:3])
     _rope_kernel[(q.shape[0],)](
-        q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping, slot_mapping.shape[0],
+        q, q_out, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping, slot_mapping.shape[0],
         key_cache, value_cache, k_scale, v_scale,
-        q.stride(0), k.stride(0), v.stride(0), cos_sin_cache.stride(0), *cache_strides,
+        q.stride(0), q_out.stride(0), k.stride(0), v.stride(0), cos_sin_cache.stride(0), *cache_strides,
         Q_HEADS=q_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads),
         K_HEADS=k_heads, K_HEADS_PAD=triton.next_power_of_2(k_heads), HALF=half,
         HALF_PAD=triton.next_power_of_2(half), NORM=qk_norm is not None, CACHE=cache is not None,
@@ -194,10 +195,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_size: int,
                    cos_sin_cache: torch.Tensor, qk_norm, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale, v_scale) -> None:
-    """rotary_embedding of q in place, with the rotated k and v [T, Hkv*D] written straight into the paged
-    caches (either layout, fp8 included) as reshape_and_cache would: one kernel instead of two, and the
-    rotated k is never written back. k is left as it was; tokens past slot_mapping or at slot -1 are
-    padding."""
+                   slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale, v_scale,
+                   q_out: torch.Tensor | None = None) -> None:
+    """rotary_embedding of q (in place, or into q_out: T rows of H*D, each row contiguous), with the rotated
+    k and v [T, Hkv*D] written straight into the paged caches (either layout, fp8 included) as
+    reshape_and_cache would: one kernel instead of two, and the rotated k is never written back. k is left
+    as it was; tokens past slot_mapping or at slot -1 are padding."""
     _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v,
-          (key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale))
+          (key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale), q_out)
