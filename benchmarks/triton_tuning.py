@@ -5,7 +5,10 @@ Decode: for every shape of benchmarks/kernels.py, each (BLOCK_N, num_warps, num_
 `split_plan` picks, then the best tile with every partition size. Prefill: each (BLOCK_M, BLOCK_N, warps,
 stages) at 16K new tokens, then the best at every prefill shape. Prints markdown; JSON to --out.
 `--small` sweeps only the partition size of short, small-batch decodes (the latency-bound end of
-`pagedllm bench latency`). `--profile decode|prefill` instead runs one shape a few times for Nsight Compute.
+`pagedllm bench latency`). `--workload` sweeps the shapes of the throughput benchmark's workload instead
+(Qwen3-0.6B heads): ragged decode batches in the order rows arrive and longest first, and the 8192-token
+prefill chunk of short prompts: the measurements behind the engine's row order and the short-sequence tile
+of `prefill._config`. `--profile decode|prefill` instead runs one shape a few times for Nsight Compute.
 
     python benchmarks/triton_tuning.py --out sweep.json
     ncu --clock-control none -k regex:_decode_kernel -s 3 -c 1 python benchmarks/triton_tuning.py --profile decode
@@ -14,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import sys
 
 import torch
@@ -124,6 +128,62 @@ def sweep_prefill():
     return rows
 
 
+WORKLOAD_DECODE = [(256, 100, 2048), (128, 100, 2048), (64, 300, 2048)]  # (batch, shortest, longest context)
+WORKLOAD_DECODE_TILES = [(64, 2, 3), (32, 2, 3), (64, 2, 2), (64, 4, 3)]
+WORKLOAD_PREFILL = [(100, 1024), (1000, 4000)]  # prompt lengths of an 8192-token chunk
+WORKLOAD_PREFILL_TILES = [None, (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 128, 8, 3)]
+
+
+def _ragged_cache(lens, kv_heads, gen):
+    """hnd caches holding one sequence per length, and the block table (pages numbered in order)."""
+    pages = [triton.cdiv(n, BLOCK) for n in lens]
+    kc, vc, _ = _paged_cache(1, BLOCK * sum(pages), kv_heads, gen, "hnd")
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, p in enumerate(pages):
+        table[i, :p] = torch.arange(start, start + p, device="cuda")
+        start += p
+    return kc, vc, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def sweep_workload(heads=16, kv_heads=8):
+    rng, gen = random.Random(0), torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch, lo, hi in WORKLOAD_DECODE:
+        arrival = [rng.randint(lo, hi) for _ in range(batch)]
+        for order, lens in (("arrival", arrival), ("longest first", sorted(arrival, reverse=True))):
+            kc, vc, table, seq_lens = _ragged_cache(lens, kv_heads, gen)
+            q = torch.randn(batch, heads, HEAD, device="cuda", dtype=DTYPE, generator=gen)
+            out = torch.empty_like(q)
+            tbps = {}
+            for block_n, warps, stages in WORKLOAD_DECODE_TILES:
+                part_tokens = triton.cdiv(hi, block_n) * block_n  # single pass, what split_plan picks here
+                ms = _time_graph_ms(lambda: decode._launch(
+                    out, None, q, kc, vc, kv_heads, HEAD ** -0.5, table, seq_lens, BLOCK, None, "auto", 1.0, 1.0,
+                    1, part_tokens, block_n, warps, stages))
+                tbps[str((block_n, warps, stages))] = 4 * sum(lens) * kv_heads * HEAD / ms / 1e9
+            rows.append({"kind": "decode", "batch": batch, "lengths": [lo, hi], "order": order, "tbps": tbps})
+            print(f"| decode {batch} x [{lo}, {hi}] | {order} | "
+                  + " | ".join(f"{t}: {v:.2f}" for t, v in tbps.items()) + " |", flush=True)
+    for lo, hi in WORKLOAD_PREFILL:
+        lens = []
+        while sum(lens) < 8192:
+            lens.append(rng.randint(lo, hi))
+        lens[-1] -= sum(lens) - 8192
+        kc, vc, table, seq_lens = _ragged_cache(lens, kv_heads, gen)
+        q = torch.randn(8192, heads, HEAD, device="cuda", dtype=DTYPE, generator=gen)
+        out = torch.empty_like(q)
+        starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        flops = sum(prefill_flops(n, 0, heads) for n in lens)
+        tflops = {str(cfg): flops / _time_graph_ms(lambda: prefill.paged_prefill(
+            out, q, kc, vc, kv_heads, HEAD ** -0.5, table, seq_lens, starts, max(lens), max(lens), None, "auto",
+            1.0, 1.0, config=cfg)) / 1e9 for cfg in WORKLOAD_PREFILL_TILES}
+        rows.append({"kind": "prefill", "prompts": [lo, hi], "num_prompts": len(lens), "tflops": tflops})
+        print(f"| prefill 8192 of [{lo}, {hi}] | {len(lens)} prompts | "
+              + " | ".join(f"{t}: {v:.0f}" for t, v in tflops.items()) + " |", flush=True)
+    return rows
+
+
 def profile(kind, layout):
     gen = torch.Generator(device="cuda").manual_seed(0)
     if kind == "decode":
@@ -143,12 +203,19 @@ def main():
     parser.add_argument("--profile", choices=["decode", "prefill"])
     parser.add_argument("--layout", choices=KV_CACHE_LAYOUTS, default="hnd")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--workload", action="store_true")
     args = parser.parse_args()
     if args.profile:
         return profile(args.profile, args.layout)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {"date": now.isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__}
+    if args.workload:
+        print("| shape | order | TB/s (decode) or TFLOP/s (prefill) per tile (None: prefill._config) |\n|---|---|---|",
+              flush=True)
+        with open(args.out, "w") as f:
+            json.dump({**meta, "workload": sweep_workload()}, f, indent=1)
+        return print(f"wrote {args.out}")
     if args.small:
         print("| decode shape | auto us | us per partition size (0: single pass) |\n|---|---|---|", flush=True)
         with open(args.out, "w") as f:
