@@ -1,7 +1,9 @@
 """ModelRunner: owns the KV cache, turns a scheduled step into flat tensors, runs the model and samples."""
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +18,8 @@ from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput
 from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs
+
+logger = logging.getLogger(__name__)
 
 
 def head_size_of(hf_config) -> int:
@@ -49,16 +53,21 @@ class ModelRunner:
         self.decode_graphs = self.piecewise_graphs = None
         # The reference ops read lengths on the host, which a graph cannot replay.
         if self.device.type == "cuda" and ops.get_backend(self.device) is not ops.reference:
+            start = time.perf_counter()
             full, piecewise = config.graph_modes()
             if full:
                 self.decode_graphs = DecodeGraphs(model, self.device, config.max_num_seqs, config.max_model_len,
-                                           self.block_size)
+                                                  self.block_size)
                 self.decode_graphs.capture()
             if piecewise:
                 self.piecewise_graphs = PiecewiseGraphs(
                     model, self.device, min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS),
                     hf_config.num_attention_heads, self.head_size, dtype)
                 self.piecewise_graphs.capture()
+            if full or piecewise:
+                logger.info("CUDA graphs captured in %.1f s: decode batch sizes %s, piecewise token counts %s",
+                            time.perf_counter() - start, self.decode_graphs and self.decode_graphs.sizes,
+                            self.piecewise_graphs and self.piecewise_graphs.sizes)
         if self.device.type == "cuda":
             self._load_logits_kernels()
 
