@@ -153,10 +153,13 @@ def test_rope_and_cache_equals_rope_then_cache_write(layout, dtype, kv_cache_dty
     kshape, vshape, cdtype = reference.kv_cache_shapes(num_blocks, block_size, kv_heads, head_size, dtype,
                                                        kv_cache_dtype, layout)
     qkv, _ = _qkv(tokens, heads, kv_heads, head_size, dtype, gen)
+    def fresh_caches():
+        return [torch.randint(0, 100, shape_, generator=torch.Generator().manual_seed(7)).to(cdtype)
+                for shape_ in (kshape, vshape)]
+
     results = []
     for fused in (False, True):
-        caches = [torch.randint(0, 100, shape_, generator=torch.Generator().manual_seed(7)).to(cdtype)
-                  for shape_ in (kshape, vshape)]
+        caches = fresh_caches()
         x = qkv.clone()
         q, k, v = x.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
         with torch.no_grad():
@@ -179,11 +182,14 @@ def test_rope_and_cache_equals_rope_then_cache_write(layout, dtype, kv_cache_dty
     x = qkv.clone()
     q, k, v = x.split([q_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
     q_out = torch.full((tokens + 3, heads, head_size), 7.0, dtype=dtype)
+    fused_caches = fresh_caches()
     with torch.no_grad():
         _fused().rope_and_cache(positions, q, k, v, head_size, rope.cos_sin_cache, norm_args, *fused_caches,
                                 slots, kv_cache_dtype, *scales, q_out=q_out[:tokens])
     assert torch.equal(q_out[:tokens].view(tokens, q_size), unfused[:, :q_size])
     assert bool((q_out[tokens:] == 7.0).all()) and torch.equal(x, qkv)
+    for a, b in zip(fused_caches, unfused_caches):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])

@@ -51,10 +51,11 @@ def best_seconds(fn: Callable[[], object], device: torch.device | str, reps: int
     times = []
     for _ in range(reps):
         if gpu:
+            stream = torch.cuda.current_stream(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:

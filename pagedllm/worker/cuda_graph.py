@@ -21,13 +21,25 @@ import torch
 from pagedllm.layers.attention import Attention, AttentionMetadata, set_forward_context
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# Token counts of the piecewise graphs: twice as many each step while the padding costs little, then steps of
-# 1024 (at most 1/8 of padding above 8K). Bigger steps run eagerly: their GPU work outlasts the launches.
+# Token counts of the piecewise graphs: doubling while a step is small enough that padding costs little, then
+# every 1024 (a step pads by at most 1023 tokens). Bigger steps run eagerly: their GPU work outlasts the
+# launches.
 PIECEWISE_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
 PIECEWISE_MAX_TOKENS = PIECEWISE_SIZES[-1]
 
 
-class DecodeGraphs:
+class _Ladder:
+    """The captured sizes, ascending; a step runs at the smallest one that holds it."""
+    sizes: list[int]
+
+    def fits(self, n: int) -> bool:
+        return n <= self.sizes[-1]
+
+    def padded_size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+
+class DecodeGraphs(_Ladder):
     def __init__(self, model: torch.nn.Module, device: torch.device, max_num_seqs: int, max_model_len: int,
                  block_size: int) -> None:
         self.model = model
@@ -68,13 +80,6 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def fits(self, num_tokens: int) -> bool:
-        return num_tokens <= self.sizes[-1]
-
-    def padded_size(self, num_seqs: int) -> int:
-        """The captured batch size a decode step of num_seqs sequences runs at (see fits)."""
-        return next(s for s in self.sizes if s >= num_seqs)
-
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """Hidden states of a decode-only step from its inputs on the device, already padded to a captured
@@ -89,18 +94,22 @@ class DecodeGraphs:
         return self.outputs[bs]
 
 
-class PiecewiseGraphs:
-    """Graphs of everything between the attention kernels, for steps of up to max_tokens tokens.
+class PiecewiseGraphs(_Ladder):
+    """Graphs of everything between the attention kernels, for steps of up to max_tokens tokens (at most
+    PIECEWISE_MAX_TOKENS).
 
     Per captured token count there are num_layers + 1 graphs; graph i ends where layer i's attention would
-    run, after its q/k/v projection and the cache write, which leaves the rotated q in a static buffer; graph i + 1
-    starts by reading the attention output from another static buffer. All graphs share one memory pool and
-    always replay in capture order, so a graph may reuse memory that an earlier one has finished with.
+    run, after its q/k/v projection and the cache write, which leaves the rotated q in a static buffer; graph
+    i + 1 starts by reading the attention output from another static buffer. All graphs share one memory
+    pool: the graphs of one size replay in capture order and two sizes never interleave, so a graph may reuse
+    memory another has finished with. That includes a smaller size's output, which the next step's graphs
+    may overwrite: run()'s result must be consumed (on the same stream) before the next run().
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, max_tokens: int, num_heads: int,
                  head_size: int, dtype: torch.dtype) -> None:
         self.model = model
+        max_tokens = min(max_tokens, PIECEWISE_MAX_TOKENS)
         self.sizes = [s for s in PIECEWISE_SIZES if s < max_tokens] + [max_tokens]
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -160,13 +169,11 @@ class PiecewiseGraphs:
             self.graphs[size], self._capturing = self._capturing, None
         torch.cuda.synchronize()
 
-    def fits(self, num_tokens: int) -> bool:
-        return num_tokens <= self.sizes[-1]
-
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] of a step of T <= max_tokens tokens from its inputs on the device."""
+        """Hidden states [T, hidden] of a step of T <= max_tokens tokens from its inputs on the device; valid
+        until the next run()."""
         n = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
+        size = self.padded_size(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)

@@ -43,7 +43,10 @@ class ModelRunner:
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_size = head_size_of(hf_config)
         self.hf_config = hf_config
-        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        # The reference ops read lengths on the host, which a graph cannot replay.
+        graphs_ok = self.device.type == "cuda" and ops.get_backend(self.device) is not ops.reference
+        full, piecewise = config.graph_modes() if graphs_ok else (False, False)
+        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(piecewise)
         self._allocate_kv_cache()
         # The previous step's samples on the device, and the row of each request among them: a decode step
         # scheduled before they reached the host takes its input ids from there.
@@ -51,23 +54,20 @@ class ModelRunner:
         self._sampled_ids: torch.Tensor | None = None
         self.uploader = Uploader(self.device)
         self.decode_graphs = self.piecewise_graphs = None
-        # The reference ops read lengths on the host, which a graph cannot replay.
-        if self.device.type == "cuda" and ops.get_backend(self.device) is not ops.reference:
-            start = time.perf_counter()
-            full, piecewise = config.graph_modes()
-            if full:
-                self.decode_graphs = DecodeGraphs(model, self.device, config.max_num_seqs, config.max_model_len,
-                                                  self.block_size)
-                self.decode_graphs.capture()
-            if piecewise:
-                self.piecewise_graphs = PiecewiseGraphs(
-                    model, self.device, min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS),
-                    hf_config.num_attention_heads, self.head_size, dtype)
-                self.piecewise_graphs.capture()
-            if full or piecewise:
-                logger.info("CUDA graphs captured in %.1f s: decode batch sizes %s, piecewise token counts %s",
-                            time.perf_counter() - start, self.decode_graphs and self.decode_graphs.sizes,
-                            self.piecewise_graphs and self.piecewise_graphs.sizes)
+        start = time.perf_counter()
+        if full:
+            self.decode_graphs = DecodeGraphs(model, self.device, config.max_num_seqs, config.max_model_len,
+                                              self.block_size)
+            self.decode_graphs.capture()
+        if piecewise:
+            self.piecewise_graphs = PiecewiseGraphs(model, self.device, config.max_num_batched_tokens,
+                                                    hf_config.num_attention_heads, self.head_size, dtype)
+            self.piecewise_graphs.capture()
+        if full or piecewise:
+            torch.cuda.empty_cache()  # the warm-up runs' activations: eager steps allocate their own
+            logger.info("CUDA graphs captured in %.1f s: decode batch sizes %s, piecewise token counts %s",
+                        time.perf_counter() - start, self.decode_graphs and self.decode_graphs.sizes,
+                        self.piecewise_graphs and self.piecewise_graphs.sizes)
         if self.device.type == "cuda":
             self._load_logits_kernels()
 
@@ -91,15 +91,19 @@ class ModelRunner:
         elem = torch.empty((), dtype=cache_dtype).element_size()
         return (math.prod(key_shape) + math.prod(value_shape)) * elem * len(self.attn_layers)
 
-    def _blocks_that_fit(self) -> int:
+    def _blocks_that_fit(self, piecewise_graphs: bool) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            # Room for the largest step's activations (a few MLP-wide tensors per token) and its fp32 logits.
+            # Room for the largest step's activations (a few MLP-wide tensors per token) and its fp32 logits;
+            # the piecewise graphs' pool holds as much again for their largest step, plus their static q and
+            # attention-output buffers. The graphs are captured after the cache is allocated.
             cfg, hf = self.config, self.hf_config
             width = 4 * hf.intermediate_size + 8 * hf.hidden_size
-            activations = (cfg.max_num_batched_tokens * width * self.dtype.itemsize
-                           + 3 * cfg.max_num_seqs * hf.vocab_size * 4)
+            graph_tokens = min(cfg.max_num_batched_tokens, PIECEWISE_MAX_TOKENS) if piecewise_graphs else 0
+            q_width = hf.num_attention_heads * self.head_size
+            activations = (((cfg.max_num_batched_tokens + graph_tokens) * width + 2 * graph_tokens * q_width)
+                           * self.dtype.itemsize + 3 * cfg.max_num_seqs * hf.vocab_size * 4)
             budget = total * cfg.gpu_memory_utilization - used - activations
         else:
             budget = self.config.cpu_kv_cache_space_gb * (1 << 30)
@@ -205,8 +209,8 @@ class ModelRunner:
                 ) -> tuple[list[Request], SamplerOutput | None]:
         """Queues one step on the device; returns the requests that sample a token in it and their samples.
         Nothing here waits for the device: reading the samples does."""
-        # Decodes first, each kind longest first: the attention kernels start one program per sequence and
-        # kv head in row order, so a long sequence started last would run on alone at the end of the launch.
+        # Decodes first, longest first: the decode kernel starts one program per (sequence, kv head) in row
+        # order, so a long sequence started last would run on alone at the end of the launch.
         items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1,
                                                         -it.num_computed_tokens - it.num_new_tokens))
         if not items:
@@ -216,7 +220,7 @@ class ModelRunner:
             step = self.prepare(items, blocks_of, self.decode_graphs.padded_size(len(items)))
             dev = self._upload(step)
             hidden = self.decode_graphs.run(*(dev[name] for name in ("input_ids", "positions", "slot_mapping",
-                                                              "decode_seq_lens", "decode_block_tables")))
+                                                                     "decode_seq_lens", "decode_block_tables")))
             hidden = hidden[:len(items)]
         else:
             step = self.prepare(items, blocks_of)

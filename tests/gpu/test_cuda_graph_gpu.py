@@ -1,10 +1,12 @@
 """Piecewise CUDA graphs against the eager forward pass, step by step: the same hidden states and K/V, and the
 rows that pad a step up to a captured size never write into the cache."""
+import json
+
 import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.bench.shapes import model_dir_for
+from pagedllm.bench.shapes import SHAPES
 from pagedllm.layers.attention import AttentionMetadata, set_forward_context
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -24,8 +26,9 @@ def prefill_meta(slots, seq_lens, query_lens, tables):
 
 
 @torch.inference_mode()
-def test_piecewise_step_equals_eager_and_padding_writes_nothing():
-    llm = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", device="cuda", dtype="float32", num_kv_blocks=256,
+def test_piecewise_step_equals_eager_and_padding_writes_nothing(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SHAPES["qwen3-0.6b"]))
+    llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="float32", num_kv_blocks=256,
               max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=2048)
     runner = llm.engine.runner
     graphs, model, layers = runner.piecewise_graphs, runner.model, runner.attn_layers

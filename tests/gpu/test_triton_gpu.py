@@ -90,9 +90,11 @@ def test_decode_block_sparse(block_size, sparse_block, step, layout):
     _check_decode(query, args, torch.bfloat16, sparse=(1, 2, 4, sparse_block, step))
 
 
+@pytest.mark.parametrize("longest", [1129, 1000], ids=["big-tile", "short-sequence-tile"])
 @pytest.mark.parametrize("head_size,group,block_size,dtype,kv_cache_dtype,use_alibi,layout", GRID)
-def test_prefill(head_size, group, block_size, dtype, kv_cache_dtype, use_alibi, layout):
-    parts = [(0, 300), (257, 1), (1000, 129), (0, 1), (block_size, 2 * block_size + 3)]  # (cached, new)
+def test_prefill(head_size, group, block_size, dtype, kv_cache_dtype, use_alibi, layout, longest):
+    """(cached, new) parts; with no sequence over 1024 tokens the kernel takes its short-sequence tile."""
+    parts = [(0, 300), (257, 1), (longest - 129, 129), (0, 1), (block_size, 2 * block_size + 3)]
     _check_prefill(head_size * 7 + group, parts, group, head_size, block_size, dtype, kv_cache_dtype, use_alibi,
                    layout)
 
