@@ -131,7 +131,8 @@ def test_sampling_options_end_to_end(llm):
     fixed = llm.generate([p], SamplingParams(ignore_eos=True, max_tokens=7, temperature=0.0), use_tqdm=False)
     assert len(fixed[0].outputs[0].token_ids) == 7 and fixed[0].outputs[0].finish_reason == "length"
 
-    lp = llm.generate([p], SamplingParams(logprobs=3, max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(logprobs=3, max_tokens=4, temperature=0.0, ignore_eos=True)
+    lp = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
     assert len(lp.logprobs) == 4
     for tok, entry in zip(lp.token_ids, lp.logprobs):
         assert tok in entry and len(entry) >= 3 and all(v <= 0 for v in entry.values())

@@ -24,7 +24,8 @@ def sample(requests, logits, seed=0):
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0), ("top_k", -2),
     ("top_k", 0), ("min_p", 1.5), ("logprobs", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
-    ("frequency_penalty", -2.5), ("min_tokens", -1), ("seed", -1), ("seed", 2**64), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("frequency_penalty", -2.5), ("min_tokens", -1), ("seed", -1), ("seed", 2**64), ("stop", [""]),
+    ("stop_token_ids", [-1]),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

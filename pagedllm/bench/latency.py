@@ -131,7 +131,8 @@ def plot(r: dict, path: str) -> bool:
     batches = [row["batch_size"] for row in r["results"]]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(batches, [row["mean_ms"] for row in r["results"]], "o-", label="pagedllm step (mean)")
-    ax.plot(batches, [row["roofline_ms"] for row in r["results"]], "--", label="roofline: weights + K/V read (or FLOPs)")
+    ax.plot(batches, [row["roofline_ms"] for row in r["results"]], "--",
+            label="roofline: weights + K/V read (or FLOPs)")
     ax.axhline(r["weight_read_ms"], color="gray", linestyle=":", label="weight read alone")
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])

@@ -97,7 +97,8 @@ def run_ours(llm, prompts: list[list[int]], output_lens: list[int], use_tqdm: bo
     log.close(t0 + elapsed)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"elapsed_s": elapsed, "num_requests": len(prompts), "input_tokens": sum(map(len, prompts)),
-            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs), "output_tokens": generated, "requests_per_s": len(prompts) / elapsed,
+            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs), "output_tokens": generated,
+            "requests_per_s": len(prompts) / elapsed,
             "output_tok_s": generated / elapsed,
             "total_tok_s": (sum(map(len, prompts)) + generated) / elapsed,
             "steps": log.breakdown(model_cost_of(llm.engine), rates) if rates is not None else None}
