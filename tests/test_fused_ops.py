@@ -214,6 +214,16 @@ def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
     assert err < rel, f"max error {err:.2e} relative to the largest logit"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 4096), (5, 9000)])  # one, exactly one, a ragged chunk
+def test_argmax_takes_the_first_of_equal_maxima(dtype, rows, vocab):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, vocab + 3, generator=gen).to(dtype)[:, 3:]  # strided rows
+    x[0, vocab // 3] = x[0, vocab - 1] = 100.0  # a tie across chunks: the first one wins
+    x[-1, -2:] = 200.0  # a tie inside the last chunk
+    assert torch.equal(_fused().argmax(x), x.argmax(dim=-1))
+
+
 def test_cpu_tensors_never_import_triton():
     code = ("import sys, torch\n"
             "from pagedllm.layers.norm import RMSNorm, fused_kernels, set_fused\n"

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.layers.norm import fused_kernels
 from pagedllm.sampling_params import SamplingParams
 
 # Columns of the per-step parameter table, one row per request.
@@ -144,7 +145,7 @@ class Sampler:
                            if r.num_output_tokens + r.num_placeholders <= r.sampling_params.min_tokens]
         if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows):
             # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
-            return SamplerOutput(logits.argmax(dim=-1))
+            return SamplerOutput(greedy_tokens(logits))
 
         logits = logits.float()
         batch, vocab = logits.shape
@@ -171,7 +172,7 @@ class Sampler:
             logits[ban_rows, ban_tokens] = float("-inf")
 
         random = _Rows(random_idx, len(random_rows) == batch)
-        tokens = None if random.every else logits.argmax(dim=-1)
+        tokens = None if random.every else greedy_tokens(logits)
         if random_rows:
             sampled = self._sample(random.take(logits), random.take(table), [requests[i] for i in random_rows],
                                    _Rows(filtered_idx, len(filtered_rows) == len(random_rows)),
@@ -195,6 +196,12 @@ class Sampler:
             if r.sampling_params.seed is not None:
                 noise[i].exponential_(generator=self._state(r).generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest logit, with the Triton kernel on CUDA."""
+    kernels = fused_kernels(logits)
+    return logits.argmax(dim=-1) if kernels is None else kernels.argmax(logits)
 
 
 def _param_table(params: list[SamplingParams]) -> torch.Tensor:

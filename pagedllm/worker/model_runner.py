@@ -16,7 +16,7 @@ from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
-from pagedllm.layers.sampler import Sampler, SamplerOutput
+from pagedllm.layers.sampler import Sampler, SamplerOutput, greedy_tokens
 from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class ModelRunner:
         hidden = torch.zeros(self.config.max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype,
                              device=self.device)
         for rows in range(1, self.config.max_num_seqs + 1):
-            self.model.compute_logits(hidden[:rows]).argmax(dim=-1)
+            greedy_tokens(self.model.compute_logits(hidden[:rows]))
         torch.cuda.synchronize(self.device)
 
     def _cache_shapes(self, num_blocks: int):

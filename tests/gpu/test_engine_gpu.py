@@ -90,6 +90,28 @@ def eager(path, budget):
     return ours(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=budget)
 
 
+def test_piecewise_graphs_with_fp8_cache_equal_eager(hf_model_dir):
+    """Steps mixing decodes with 512-token prefill chunks of cached prefixes replay the piecewise graphs, whose
+    fused RoPE writes K/V into an fp8 cache: the same tokens as eager steps on the same cache."""
+    path, _ = hf_model_dir
+    options = dict(dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=512)
+    assert ours(path, cudagraph_mode="piecewise", **options) == ours(path, enforce_eager=True, **options)
+
+
+def test_xattention_prefill_between_piecewise_graphs_equals_dense(hf_model_dir, monkeypatch):
+    """XAttention's sparse prefill runs eagerly between the piecewise graphs, in 512-token chunks against the
+    cached prefix; at threshold 1.0 it keeps every block, so the tokens equal the dense eager engine's."""
+    from pagedllm.ops import xattention
+    path, _ = hf_model_dir
+    calls = []
+    real = xattention.xattention_paged_prefill
+    monkeypatch.setattr(xattention, "xattention_paged_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sparse = ours(path, dtype="float32", max_num_batched_tokens=512, sparse_prefill="xattention",
+                  xattn_threshold=1.0, xattn_block_size=64, xattn_min_prompt_len=1000)
+    assert calls  # the two long prompts went through XAttention
+    assert sparse == eager(path, 512)
+
+
 def test_async_scheduling_equals_synchronous(hf_model_dir):
     """Overlapped steps take each decode's input token from the previous step's samples on the device."""
     path, _ = hf_model_dir

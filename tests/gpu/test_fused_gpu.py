@@ -152,6 +152,18 @@ def test_rope_and_cache_equals_rope_then_cache_write(layout, kv_cache_dtype, sca
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", HALF + [torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 256])
+@torch.inference_mode()
+def test_argmax_equals_torch(dtype, rows):
+    """The greedy sampler's argmax on Qwen3's vocabulary: the first of equal maxima, as torch.argmax."""
+    gen = torch.Generator(device=DEV).manual_seed(rows)
+    logits = torch.randn(rows, 151936, generator=gen, device=DEV).to(dtype)
+    logits[0, 5] = logits[0, 150000] = 50.0  # tied across chunks
+    logits[-1, 9000:9003] = 60.0  # tied within a chunk
+    assert torch.equal(fused.argmax(logits), logits.argmax(dim=-1))
+
+
 @torch.inference_mode()
 def test_kernels_replay_in_a_cuda_graph():
     """Captured once, replayed on new inputs: no host sync, no allocation that depends on the data."""
@@ -170,7 +182,7 @@ def test_kernels_replay_in_a_cuda_graph():
         out, res = fused.rms_norm(x, norm.weight, norm.eps, residual)
         q, k = qk.split([heads * head_size, kv_heads * head_size], dim=-1)
         fused.rotary_embedding(positions, q, k, head_size, rope.cos_sin_cache, norm_args)
-        return out, res, fused.silu_and_mul(gate_up)
+        return out, res, fused.silu_and_mul(gate_up), fused.argmax(gate_up)
 
     def fill(seed):
         g = torch.Generator(device=DEV).manual_seed(seed)

@@ -150,7 +150,8 @@ def _reduce_kernel(
         o = tl.load(o_ptr, mask=p_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w[:, None] * o, axis=0)
         den += tl.sum(w, axis=0)
-    tl.store(out + seq * stride_os + head * stride_oh + offs_d, (acc / tl.where(den == 0.0, 1.0, den)).to(out.dtype.element_ty), mask=d_ok)
+    o = acc / tl.where(den == 0.0, 1.0, den)
+    tl.store(out + seq * stride_os + head * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
 
 
 def _config(query: torch.Tensor, head_pad: int, block_size: int):

@@ -1,7 +1,7 @@
-"""Fused elementwise kernels of the decoder layer: RMSNorm (with the residual add), SiLU-and-mul, and RoPE
-(with Qwen3's per-head q/k RMSNorm; optionally writing the rotated k, and v, into the paged cache). Each
-replaces several PyTorch kernels with one pass over memory and needs no host sync and no data-dependent
-allocation, so it can be captured in a CUDA graph.
+"""Fused kernels of the decoder layer: RMSNorm (with the residual add), SiLU-and-mul, and RoPE (with Qwen3's
+per-head q/k RMSNorm; optionally writing the rotated k, and v, into the paged cache); and the greedy
+sampler's argmax. Each replaces several PyTorch kernels with one pass over memory and needs no host sync and
+no data-dependent allocation, so it can be captured in a CUDA graph.
 
 The pagedllm.layers modules call these on CUDA tensors; their PyTorch code is the oracle. The kernels
 compute in the same precision and round at the same points: statistics in float32, everything else in
@@ -203,3 +203,47 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     as it was; tokens past slot_mapping or at slot -1 are padding."""
     _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v,
           (key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale), q_out)
+
+
+@triton.jit
+def _argmax_chunk_kernel(x, values, indices, N, stride_x, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(x + row * stride_x + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+    best = tl.argmax(v, axis=0, tie_break_left=True)
+    out = row * tl.num_programs(1) + chunk
+    tl.store(values + out, tl.max(v, axis=0))
+    tl.store(indices + out, chunk * CHUNK + best)
+
+
+@triton.jit
+def _argmax_rows_kernel(values, indices, out, num_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    v = tl.load(values + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    # Chunks are in column order, so the first chunk holding the maximum holds its first occurrence.
+    best = tl.argmax(v, axis=0, tie_break_left=True)
+    tl.store(out + row, tl.load(indices + row * num_chunks + best))
+
+
+ARGMAX_CHUNK = 8192  # fastest from 64 rows up; within 0.2 us of 4096 below (H100)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, N] -> int64 [rows]: the first index of each row's maximum, as torch.argmax(x, -1) (rows
+    holding NaN excepted). Every row is cut into chunks reduced in parallel and then combined: torch's
+    kernel reduces a row in few blocks, slow for one row of a 150K vocabulary and half the copy bandwidth
+    for a few hundred."""
+    rows, n = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("argmax needs rows with unit stride")
+    num_chunks = triton.cdiv(n, ARGMAX_CHUNK)
+    values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
+    indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    _argmax_chunk_kernel[(rows, num_chunks)](x, values, indices, n, x.stride(0), CHUNK=ARGMAX_CHUNK,
+                                            num_warps=8)
+    _argmax_rows_kernel[(rows,)](values, indices, out, num_chunks, BLOCK=_host.pow2_at_least(num_chunks),
+                                 num_warps=1)
+    return out
