@@ -5,8 +5,10 @@ running them, so steps replay captured graphs instead:
 
 - DecodeGraphs: decode-only steps, the whole forward pass in one graph per batch size of a ladder. The step's
   inputs (already on the device, padded up to the next captured size with rows that write no KV (slot -1)
-  and attend to nothing (seq_len 0)) are copied into static buffers. Captured with max_seq_len =
-  max_model_len so one graph serves every context length.
+  and attend to nothing (seq_len 0)) are copied into static buffers. A graph planned for max_seq_len = L
+  serves every step whose sequences are at most L long. Large batches are captured at L = max_model_len;
+  small ones (up to SPLIT_MAX_BATCH) split each sequence's context across the GPU by a plan that depends on
+  L, so they are captured at a ladder of context bounds and a step replays the smallest that holds it.
 - PiecewiseGraphs: any other step (prefills, mixed batches) up to PIECEWISE_MAX_TOKENS, one graph per layer
   boundary per token count of a ladder: everything but the attention kernels, whose launch grids depend on
   the step's sequences, is captured; attention runs eagerly between the replays. A step is padded up to the
@@ -26,6 +28,11 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 # launches.
 PIECEWISE_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
 PIECEWISE_MAX_TOKENS = PIECEWISE_SIZES[-1]
+# Decode batches up to this size leave SMs idle with one attention program per (sequence, kv head) and split
+# the context (benchmarks/results/README.md: 8 sequences of 1.2-2K tokens take 40 us a layer planned for 4096
+# tokens, 28 us planned for 2048). Their graphs are captured at max_model_len and its halves down to an eighth.
+SPLIT_MAX_BATCH = 32
+CONTEXT_BOUNDS = 4
 
 
 class _Ladder:
@@ -54,14 +61,19 @@ class DecodeGraphs(_Ladder):
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, math.ceil(max_model_len / block_size), dtype=torch.int32,
                                         device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.context_bounds = sorted({math.ceil(max_model_len / 2 ** i) for i in range(CONTEXT_BOUNDS)})
+        # (batch size, context bound) -> graph and its output
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def bounds_of(self, bs: int) -> list[int]:
+        return self.context_bounds if bs <= SPLIT_MAX_BATCH else [self.max_model_len]
+
+    def _metadata(self, bs: int, bound: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], num_decode_tokens=bs,
             decode_block_tables=self.block_tables[:bs], decode_seq_lens=self.seq_lens[:bs],
-            decode_max_seq_len=self.max_model_len, prefill_block_tables=None, prefill_seq_lens=None,
+            decode_max_seq_len=bound, prefill_block_tables=None, prefill_seq_lens=None,
             prefill_query_start_loc=None, prefill_max_query_len=0, prefill_max_seq_len=0)
 
     @torch.inference_mode()
@@ -69,29 +81,36 @@ class DecodeGraphs(_Ladder):
         pool = None
         # Largest first, so the smaller graphs reuse its memory pool.
         for bs in reversed(self.sizes):
-            with set_forward_context(self._metadata(bs)):
-                # A run outside the graph compiles every kernel for this shape before capture.
-                self.model(self.input_ids[:bs], self.positions[:bs])
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs])
-            pool = graph.pool()
-            self.graphs[bs] = graph
+            for bound in reversed(self.bounds_of(bs)):
+                with set_forward_context(self._metadata(bs, bound)):
+                    # A run outside the graph compiles every kernel for this shape before capture.
+                    self.model(self.input_ids[:bs], self.positions[:bs])
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[bs, bound] = self.model(self.input_ids[:bs], self.positions[:bs])
+                pool = graph.pool()
+                self.graphs[bs, bound] = graph
+        # A graph's first launch uploads it to the device (0.3 ms of host time on the H100, benchmarks/
+        # engine_probe.py graph-launch), which would land on the first step of each shape mid-run. The static
+        # inputs are padding here (slot -1, seq_len 0): these replays write nothing.
+        for graph in self.graphs.values():
+            graph.replay()
         torch.cuda.synchronize()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """Hidden states of a decode-only step from its inputs on the device, already padded to a captured
-        size."""
+        size; max_seq_len: its longest sequence."""
         bs = input_ids.shape[0]
+        key = bs, next(b for b in self.bounds_of(bs) if b >= max_seq_len)
         for static, new in ((self.input_ids, input_ids), (self.positions, positions),
                             (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
             static[:bs].copy_(new)
         # Entries past a row's width are stale but never read: kernels stop at ceil(seq_len / block_size).
         self.block_tables[:bs, :block_tables.shape[1]].copy_(block_tables)
-        self.graphs[bs].replay()
-        return self.outputs[bs]
+        self.graphs[key].replay()
+        return self.outputs[key]
 
 
 class PiecewiseGraphs(_Ladder):

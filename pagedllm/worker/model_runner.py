@@ -65,8 +65,9 @@ class ModelRunner:
             self.piecewise_graphs.capture()
         if full or piecewise:
             torch.cuda.empty_cache()  # the warm-up runs' activations: eager steps allocate their own
-            logger.info("CUDA graphs captured in %.1f s: decode batch sizes %s, piecewise token counts %s",
-                        time.perf_counter() - start, self.decode_graphs and self.decode_graphs.sizes,
+            logger.info("CUDA graphs captured in %.1f s: decode batch sizes %s (context bounds %s), piecewise "
+                        "token counts %s", time.perf_counter() - start, self.decode_graphs and self.decode_graphs.sizes,
+                        self.decode_graphs and self.decode_graphs.context_bounds,
                         self.piecewise_graphs and self.piecewise_graphs.sizes)
         if self.device.type == "cuda":
             self._load_logits_kernels()
@@ -220,7 +221,8 @@ class ModelRunner:
             step = self.prepare(items, blocks_of, self.decode_graphs.padded_size(len(items)))
             dev = self._upload(step)
             hidden = self.decode_graphs.run(*(dev[name] for name in ("input_ids", "positions", "slot_mapping",
-                                                                     "decode_seq_lens", "decode_block_tables")))
+                                                                     "decode_seq_lens", "decode_block_tables")),
+                                            max_seq_len=int(step.decode_seq_lens.max()))
             hidden = hidden[:len(items)]
         else:
             step = self.prepare(items, blocks_of)

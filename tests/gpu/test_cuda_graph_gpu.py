@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.bench.shapes import SHAPES
 from pagedllm.layers.attention import AttentionMetadata, set_forward_context
 
@@ -73,3 +73,30 @@ def test_piecewise_step_equals_eager_and_padding_writes_nothing(tmp_path):
         for layer, (k, v) in zip(layers, after):
             torch.testing.assert_close(layer.key_cache, k, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(layer.value_cache, v, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_graphs_of_each_context_bound_equal_eager(tmp_path, monkeypatch):
+    """Small decode batches replay the graph captured for the smallest context bound that holds their
+    longest sequence (its attention split planned for that length): the same tokens as eager steps, at every
+    bound."""
+    (tmp_path / "config.json").write_text(json.dumps(SHAPES["qwen3-0.6b"]))
+    options = dict(load_format="dummy", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=4096,
+                   max_num_seqs=2)
+    llm, eager = LLM(str(tmp_path), **options), LLM(str(tmp_path), enforce_eager=True, **options)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs.context_bounds == [512, 1024, 2048, 4096]
+    used = set()
+    run = graphs.run
+
+    def recording_run(*args, max_seq_len):
+        used.add(next(b for b in graphs.bounds_of(args[0].shape[0]) if b >= max_seq_len))
+        return run(*args, max_seq_len=max_seq_len)
+
+    monkeypatch.setattr(graphs, "run", recording_run)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for n in (100, 700, 1500, 3000):  # one request at a time: its length picks the bound
+        prompt = torch.randint(0, 1000, (n,), generator=g).tolist()
+        tokens = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids]
+        assert tokens == [eager.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids]
+    assert used == {512, 1024, 2048, 4096}
