@@ -1,0 +1,291 @@
+"""Where the throughput workload's GPU time goes, probed on the H100 (fifth session; results/README.md):
+
+- ``steps``: per step of the workload (Qwen3-0.6B shape, bf16, random weights), the host's time in schedule
+  / execute (of which graph replay calls) / processing, the GPU time between CUDA events around each step's
+  work, and the GPU's idle time between steps, by kind of step.
+- ``trace``: the same run under torch.profiler: GPU time by kernel kind and the gaps between kernels (the
+  profiler slows the host, so its gaps overstate those of an unprofiled run: compare with ``steps``).
+- ``decode``: decode attention on the engine's own step inputs (block tables, lengths, layer 0's cache) at
+  several batch sizes of the run: as the engine plans it, with the pages renumbered contiguously, and with
+  every partition size, planned for max_model_len as the decode graphs plan it.
+- ``argmax``: the greedy sampler's Triton argmax against torch.argmax on Qwen3's vocabulary.
+- ``gemm-layout``: cuBLAS on the decode projections with nn.Linear's [N, K] weight against the same weight
+  stored [K, N], weights rotated through 8 copies so they come from DRAM.
+- ``graph-launch``: host time of a freshly captured decode graph's first three launches (the first uploads it).
+
+    python benchmarks/engine_probe.py steps|trace|decode|argmax|gemm-layout|graph-launch
+"""
+import argparse
+import collections
+import json
+import time
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.shapes import model_dir_for
+from pagedllm.bench.throughput import make_workload
+
+MAX_MODEL_LEN = 4096
+BUCKETS = (8, 32, 64, 128, 192, 256)
+
+
+def _engine():
+    """An engine like the throughput benchmark's, warmed up, and the workload's prompts and sampling params."""
+    llm = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=256)
+    prompts, outs = make_workload(256, (100, 1024), (100, 1024), llm.engine.hf_config.vocab_size, 0)
+    llm.generate([[0] * 32], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return llm, prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+
+
+def _kind(step: dict) -> str:
+    if step["prefill"]:
+        return "prefill"
+    return next(f"decode<={b}" for b in BUCKETS if step["decodes"] <= b)
+
+
+def probe_steps():
+    llm, prompts, params = _engine()
+    eng = llm.engine
+    steps, cur = [], {}
+    schedule, execute, process = eng.scheduler.schedule, eng.runner.execute, eng._process
+
+    def timed_schedule():
+        t = time.perf_counter()
+        out = schedule()
+        cur.clear()
+        cur.update(sched=time.perf_counter() - t, t0=t, replay=0.0, prefill=any(
+            it.num_new_tokens > 1 for it in out.scheduled), decodes=sum(it.num_new_tokens == 1 for it in out.scheduled))
+        return out
+
+    def timed_execute(*args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        out = execute(*args)
+        end.record()
+        steps.append(dict(cur, exec=time.perf_counter() - t, events=(start, end)))
+        return out
+
+    def timed_process(*args):
+        t = time.perf_counter()
+        out = process(*args)
+        if steps:
+            steps[-1]["proc"] = steps[-1].get("proc", 0.0) + time.perf_counter() - t
+        return out
+
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(graph):
+        t = time.perf_counter()
+        replay(graph)
+        cur["replay"] += time.perf_counter() - t
+
+    eng.scheduler.schedule, eng.runner.execute, eng._process = timed_schedule, timed_execute, timed_process
+    torch.cuda.CUDAGraph.replay = timed_replay
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    print(f"wall {wall:.3f} s, steps {len(steps)}")
+    rows = collections.defaultdict(lambda: collections.defaultdict(float))
+    for step, after in zip(steps, steps[1:] + [None]):
+        row = rows[_kind(step)]
+        row["n"] += 1
+        for f in ("sched", "exec", "replay", "proc"):
+            row[f] += step.get(f, 0.0)
+        row["gpu"] += step["events"][0].elapsed_time(step["events"][1]) / 1e3
+        if after is not None:
+            row["idle"] += max(0.0, step["events"][1].elapsed_time(after["events"][0]) / 1e3)
+            row["period"] += after["t0"] - step["t0"]
+    print(f"{'kind':12s} {'n':>5s} {'period':>8s} {'sched':>7s} {'exec':>7s} {'replay':>7s} {'proc':>7s} "
+          f"{'host sum':>8s} {'gpu ev':>7s} {'idle':>7s}  (ms per step)")
+    for kind, r in sorted(rows.items()):
+        n = r["n"]
+        host = (r["sched"] + r["exec"] + r["proc"]) / n
+        print(f"{kind:12s} {int(n):5d} {r['period'] / n * 1e3:8.3f} {r['sched'] / n * 1e3:7.3f} "
+              f"{r['exec'] / n * 1e3:7.3f} {r['replay'] / n * 1e3:7.3f} {r['proc'] / n * 1e3:7.3f} {host * 1e3:8.3f} "
+              f"{r['gpu'] / n * 1e3:7.3f} {r['idle'] / n * 1e3:7.3f}   total idle {r['idle']:.3f} s")
+
+
+KERNEL_KINDS = (("_decode_kernel", "decode attn"), ("_reduce_kernel", "decode reduce"),
+                ("_prefill_kernel", "prefill attn"), ("nvjet", "gemm"), ("gemm", "gemm"), ("cublas", "gemm"),
+                ("_rms_norm", "rmsnorm"), ("_rope", "rope"), ("_silu", "silu"), ("argmax", "argmax"),
+                ("Memcpy", "memcpy"), ("Memset", "memset"))
+
+
+def probe_trace():
+    from torch.profiler import ProfilerActivity, profile
+    llm, prompts, params = _engine()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    path = "/tmp/engine_probe_trace.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events.sort(key=lambda e: e["ts"])
+
+    def kind(name):
+        return next((k for key, k in KERNEL_KINDS if key in name), "other: " + name[:40])
+    busy, gaps = collections.Counter(), collections.Counter()
+    end, idle = events[0]["ts"], 0.0
+    for e in events:
+        busy[kind(e["name"])] += e["dur"]
+        gap = e["ts"] - end
+        if gap > 0:
+            idle += gap
+            gaps[next(b for b in (2, 5, 20, 100, 1000, float("inf")) if gap <= b)] += gap
+        end = max(end, e["ts"] + e["dur"])
+    print(f"wall {wall:.3f} s (profiled), GPU span {(end - events[0]['ts']) / 1e6:.3f} s, idle {idle / 1e6:.3f} s, "
+          f"kernels {len(events)}")
+    for k, t in busy.most_common(15):
+        print(f"  busy {k:40s} {t / 1e6:8.3f} s")
+    for b, t in sorted(gaps.items()):
+        print(f"  gaps <= {b:>8} us: {t / 1e6:.3f} s")
+
+
+def probe_decode():
+    from pagedllm import ops
+    from pagedllm.ops.triton import _host, decode
+    llm, prompts, params = _engine()
+    eng = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(str(i), p, sp)
+    graphs = eng.runner.decode_graphs
+    targets, snaps, run = [256, 200, 150, 110, 90, 74, 60, 45, 32, 24, 18, 12, 8, 4, 2, 1], {}, graphs.run
+
+    def snapshot_run(input_ids, positions, slot_mapping, seq_lens, block_tables, max_seq_len):
+        n = int((seq_lens > 0).sum())
+        for t in targets:
+            if n <= t and t not in snaps:
+                snaps[t] = (seq_lens[:n].clone(), block_tables[:n].clone())
+        return run(input_ids, positions, slot_mapping, seq_lens, block_tables, max_seq_len=max_seq_len)
+
+    graphs.run = snapshot_run
+    while eng.has_unfinished_requests():
+        eng.step()
+    layer = eng.runner.attn_layers[0]
+    kc, vc, bs = layer.key_cache, layer.value_cache, layer.block_size
+    heads, kv_heads, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+    block_n, warps, stages = decode._config(kc, d, bs)
+    sms = _host.num_sms(kc.device)
+    for t in targets:
+        if t not in snaps:
+            continue
+        lens, table = snaps[t]
+        n = lens.shape[0]
+        q = torch.randn(n, heads, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        nbytes = 4 * int(lens.sum()) * kv_heads * d
+
+        def ms(fn):
+            fn()
+            torch.cuda.synchronize()
+            return do_bench_cudagraph(fn, rep=30, return_mode="min")
+        # As the engine runs it eagerly (planned for the actual longest sequence), then on contiguous pages.
+        max_len = int(lens.max())
+        eager = ms(lambda: ops.paged_attention(out, q, kc, vc, kv_heads, d ** -0.5, table, lens, bs, max_len,
+                                               None, "auto", 1.0, 1.0))
+        pages = [-(-int(n_) // bs) for n_ in lens]
+        k2 = torch.empty((sum(pages) + 1, *kc.shape[1:]), dtype=kc.dtype, device="cuda")
+        v2, table2, s = torch.empty_like(k2), torch.zeros_like(table), 1
+        for r, p in enumerate(pages):
+            k2[s:s + p], v2[s:s + p] = kc[table[r, :p].long()], vc[table[r, :p].long()]
+            table2[r, :p] = torch.arange(s, s + p, device="cuda")
+            s += p
+        contiguous = ms(lambda: ops.paged_attention(out, q, k2, v2, kv_heads, d ** -0.5, table2, lens, bs,
+                                                    max_len, None, "auto", 1.0, 1.0))
+        # Every partition size, planned for max_model_len as the decode graphs plan it.
+        times = {}
+        for part in (None, 128, 256, 384, 512, 768, 1024, 2048):
+            parts, part_tokens = (1, MAX_MODEL_LEN) if part is None else (triton.cdiv(MAX_MODEL_LEN, part), part)
+            partials = None
+            if parts > 1:
+                stats = torch.empty((2, n, heads, parts), dtype=torch.float32, device="cuda")
+                partials = (stats[0], stats[1], torch.empty((n, heads, parts, d), dtype=torch.float32, device="cuda"))
+            times[part or "single"] = ms(lambda: decode._launch(
+                out, partials, q, kc, vc, kv_heads, d ** -0.5, table, lens, bs, None, "auto", 1.0, 1.0, parts,
+                part_tokens, block_n, warps, stages))
+        best = min(times, key=times.get)
+        print(f"{n:4d} seqs, len {int(lens.min())}-{max_len} mean {float(lens.float().mean()):.0f}: "
+              f"eager plan {nbytes / eager / 1e9:.2f} TB/s, contiguous pages {nbytes / contiguous / 1e9:.2f} | "
+              f"planned for {MAX_MODEL_LEN} (us): " + " ".join(f"{k}:{v * 1e3:.1f}" for k, v in times.items())
+              + f" | best {best} {nbytes / times[best] / 1e9:.2f} TB/s; graph plan "
+              f"{decode.split_plan(n, kv_heads, MAX_MODEL_LEN, block_n, sms)}", flush=True)
+
+
+def probe_argmax():
+    from pagedllm.ops.triton import fused
+    vocab, default = 151936, fused.ARGMAX_CHUNK
+    for rows in (1, 4, 16, 64, 128, 256):
+        xs = [torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        ours = {}
+        t_torch = do_bench_cudagraph(lambda: [x.argmax(-1) for x in xs], rep=30, return_mode="min") * 1e3 / 4
+        for chunk in (1024, 2048, 4096, 8192):
+            fused.ARGMAX_CHUNK = chunk
+            assert all(torch.equal(fused.argmax(x), x.argmax(-1)) for x in xs)
+            ours[chunk] = do_bench_cudagraph(lambda: [fused.argmax(x) for x in xs], rep=30,
+                                             return_mode="min") * 1e3 / 4
+        fused.ARGMAX_CHUNK = default
+        print(f"argmax M={rows:4d} torch {t_torch:6.2f} us  triton "
+              + "  ".join(f"{c}:{t:6.2f}" for c, t in ours.items())
+              + f"  (copy-bound at 3 TB/s {rows * vocab * 2 / 3.0e6:6.2f} us)")
+
+
+def probe_gemm_layout():
+    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+    copies, total = 8, collections.defaultdict(lambda: [0.0, 0.0])
+    for name, (n, k) in shapes.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        transposed = [w.t().contiguous() for w in weights]
+        for m in (1, 8, 32, 64, 128, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a = do_bench_cudagraph(lambda: [torch.nn.functional.linear(x, w) for w in weights], rep=30,
+                                   return_mode="min") * 1e3 / copies
+            b = do_bench_cudagraph(lambda: [x @ w for w in transposed], rep=30, return_mode="min") * 1e3 / copies
+            total[m][0] += a
+            total[m][1] += b
+            print(f"{name:8s} M={m:4d} linear [N,K] {a:6.2f} us   mm [K,N] {b:6.2f} us  {a / b:5.2f}x", flush=True)
+    for m, (a, b) in total.items():
+        print(f"M={m:4d} per layer: linear {a:6.2f} us, mm {b:6.2f} us, per 28 layers saving {(a - b) * 28:7.1f} us")
+
+
+def probe_graph_launch():
+    from pagedllm.layers.attention import set_forward_context
+    llm, _, _ = _engine()
+    graphs, model = llm.engine.runner.decode_graphs, llm.engine.runner.model
+    with torch.inference_mode():
+        for bs, bound in ((8, 2048), (16, 1024), (256, 4096)):
+            with set_forward_context(graphs._metadata(bs, bound)):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=graphs.graphs[bs, bound].pool()):
+                    model(graphs.input_ids[:bs], graphs.positions[:bs])
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                graph.replay()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                times.append((round((t1 - t0) * 1e3, 3), round((time.perf_counter() - t0) * 1e3, 3)))
+            print(f"bs {bs} bound {bound}: (launch ms, launch+run ms) for replays 1..3: {times}", flush=True)
+
+
+PROBES = {"steps": probe_steps, "trace": probe_trace, "decode": probe_decode, "argmax": probe_argmax,
+          "gemm-layout": probe_gemm_layout, "graph-launch": probe_graph_launch}
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("probe", choices=sorted(PROBES))
+    PROBES[parser.parse_args().probe]()
