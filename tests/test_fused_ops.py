@@ -215,11 +215,12 @@ def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 4096), (5, 9000)])  # one, exactly one, a ragged chunk
+# one short chunk; one partial chunk; two chunks, the second ragged (ARGMAX_CHUNK = 8192)
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 4096), (5, 9000)])
 def test_argmax_takes_the_first_of_equal_maxima(dtype, rows, vocab):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, vocab + 3, generator=gen).to(dtype)[:, 3:]  # strided rows
-    x[0, vocab // 3] = x[0, vocab - 1] = 100.0  # a tie across chunks: the first one wins
+    x[0, vocab // 3] = x[0, vocab - 1] = 100.0  # a tie (across the two chunks at 9000): the first one wins
     x[-1, -2:] = 200.0  # a tie inside the last chunk
     assert torch.equal(_fused().argmax(x), x.argmax(dim=-1))
 
