@@ -92,16 +92,19 @@ def test_softmax_block_sum_triton_matches_reference(triton_backend, causal):
 # ----------------------------------------------------------------------------------------------------
 # Estimation and selection
 # ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("q_len,k_len,heads,stride,block,chunk,causal", [
-    (512, 512, (2, 2), 8, 64, 16384, True),    # whole prompt, aligned
-    (300, 700, (4, 2), 8, 64, 128, True),      # chunked prefill, unaligned start, GQA, several chunks
-    (77, 333, (2, 1), 4, 32, 64, True),        # ragged everything
-    (200, 333, (2, 2), 16, 128, 16384, False),
+@pytest.mark.parametrize("q_len,k_len,heads,stride,block,chunk,causal,head", [
+    (512, 512, (2, 2), 8, 64, 16384, True, 64),    # whole prompt, aligned
+    (300, 700, (4, 2), 8, 64, 128, True, 64),      # chunked prefill, unaligned start, GQA, several chunks
+    (77, 333, (2, 1), 4, 32, 64, True, 64),        # ragged everything
+    (200, 333, (2, 2), 16, 128, 16384, False, 64),
+    (160, 480, (4, 2), 8, 64, 16384, True, 80),    # head of 80: 16-wide head chunks
 ])
-def test_block_sums_triton_match_reference(q_len, k_len, heads, stride, block, chunk, causal):
+def test_block_sums_triton_match_reference(q_len, k_len, heads, stride, block, chunk, causal, head):
     from pagedllm.ops.xattention import estimate
     torch.manual_seed(2)
-    q, k = _randn(1, heads[0], q_len, 64), _randn(1, heads[1], k_len, 64)
+    # queries as the engine passes them: a [tokens, heads, D] slice seen as [1, heads, tokens, D]
+    q = _randn(q_len, heads[0], head).transpose(0, 1)[None]
+    k = _randn(1, heads[1], k_len, head)
     got, first = estimate.block_sums(q, k, block, stride, chunk, causal)
     want, first_ref = ref.block_sums(q, k, block, stride, chunk, causal)
     assert first == first_ref == (k_len - q_len) // block

@@ -6,21 +6,27 @@ their causal key range once, computing each antidiagonal score tile on tensor co
 it to per-row, per-key-block partial sums ``sum exp2(s - m_tile)`` plus the tile's row max (a few KB of
 scratch per tile instead of the [q/stride, k/stride] score matrix). Once the row's final max and sum are
 known, the same program rescales its partials into normalized block sums: the strided GEMM runs once, and
-no score matrix ever reaches memory. Q and K are read in place (any strides, GQA by head index, any
-length: out-of-range tokens load as zeros). `select_blocks` then picks each query block's key blocks in one
+no score matrix ever reaches memory. Q and K are read through TMA tensor descriptors that see each head's
+tokens ``[len, D]`` as ``[len / stride, stride * D]``, so each stride step of a tile is one box load (GQA by
+head index; out-of-range tokens load as zeros). A token-padded copy is made only when a head's tokens are
+not contiguous (the engine's packed query), a length or the queries' offset is not a multiple of the stride,
+or a stride breaks TMA's 16-byte alignment. `select_blocks` then picks each query block's key blocks in one
 program per row, by bisection instead of a sort.
 """
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import reference as ref
 
 NEG_INF = tl.constexpr(float("-inf"))
-# Fused estimator tiles (reshaped rows x reshaped keys) and launch shape. The GPU wants big tiles for the
-# tensor cores; the interpreter (CPU tests) uses small ones so small test shapes still span several tiles.
-GPU_CONFIG = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
-CPU_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
+# Fused estimator tiles (reshaped rows x reshaped keys, head-dim chunk) and launch shape. On the H100 at 64K
+# (32/8 heads, head 128): 5.4 ms (400 TFLOP/s) at stride 8 and 3.0 ms at 16, where the pointer-load kernel
+# with 128 x 128 tiles took 7.3 / 4.7 (results README). The interpreter (CPU tests) uses small tiles so small
+# test shapes still span several tiles.
+GPU_CONFIG = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+CPU_CONFIG = dict(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1)
 
 
 def _dot_precision(dtype):
@@ -28,19 +34,17 @@ def _dot_precision(dtype):
 
 
 @triton.jit
-def _antidiag_step(acc, q_base, k_base, stride_qt, stride_kt, rows, cols, s, q_first, q_len, k_len,
-                   STRIDE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc += step s of the antidiagonal sums: reshaped row R takes query token R*STRIDE + STRIDE-1-s
-    (absolute position; Q row 0 sits at q_first), column C key token C*STRIDE + s."""
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD
-    qi = rows * STRIDE + (STRIDE - 1 - s) - q_first
-    kj = cols * STRIDE + s
-    q = tl.load(q_base + qi[:, None] * stride_qt + offs_d[None, :],
-                mask=((qi >= 0) & (qi < q_len))[:, None] & d_ok[None, :], other=0.0)
-    k = tl.load(k_base + kj[None, :] * stride_kt + offs_d[:, None],
-                mask=(kj < k_len)[None, :] & d_ok[:, None], other=0.0)
-    return tl.dot(q, k, acc, input_precision=DOT_PREC)
+def _antidiag_step(acc, q_desc, k_desc, b, h, kvh, q_row, k_row, it, STRIDE: tl.constexpr, HEAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc += chunk ``it`` (stride step s = it // (HEAD / BLOCK_K), then a BLOCK_K slice of the head) of the
+    antidiagonal sums: reshaped Q row r takes token r*STRIDE + STRIDE-1-s of its tensor, reshaped K row c
+    token c*STRIDE + s. Rows are descriptor rows (``[B, heads, len / STRIDE, STRIDE * D]``); outside, zeros."""
+    D_STEPS: tl.constexpr = HEAD // BLOCK_K
+    s = it // D_STEPS
+    kk = (it % D_STEPS) * BLOCK_K
+    q = q_desc.load([b, h, q_row, (STRIDE - 1 - s) * HEAD + kk]).reshape(BLOCK_M, BLOCK_K)
+    k = k_desc.load([b, kvh, k_row, s * HEAD + kk]).reshape(BLOCK_N, BLOCK_K)
+    return tl.dot(q, k.T, acc, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -55,37 +59,36 @@ def _block_partials(s, m, RBS: tl.constexpr):
 # Stage 1: antidiagonal scores
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _gemm_kernel(Q, K, OUT, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                 stride_ob, stride_oh, stride_or, H, GROUP, q_len, k_len, chunk_start,
-                 STRIDE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+def _gemm_kernel(q_desc, k_desc, OUT, stride_ob, stride_oh, stride_or, H, GROUP, q_rows, k_rows, chunk_start,
+                 STRIDE: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if CAUSAL and pid_n * BLOCK_N > chunk_start + pid_m * BLOCK_M + BLOCK_M - 1:
         return  # the whole tile is hidden; its entries may hold anything
     b, h = bh // H, bh % H
+    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for it in range(STRIDE * (HEAD // BLOCK_K)):
+        s = _antidiag_step(s, q_desc, k_desc, b, h, h // GROUP, pid_m * BLOCK_M, pid_n * BLOCK_N, it, STRIDE, HEAD,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for i in range(STRIDE):
-        s = _antidiag_step(s, Q + b * stride_qb + h * stride_qh, K + b * stride_kb + (h // GROUP) * stride_kh,
-                           stride_qt, stride_kt, rows, cols, i, 0, q_len, k_len, STRIDE, HEAD, HEAD_PAD,
-                           DOT_PREC)
-    ok = (rows < q_len // STRIDE)[:, None] & (cols < k_len // STRIDE)[None, :]
+    ok = (rows < q_rows)[:, None] & (cols < k_rows)[None, :]
     tl.store(OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_or + cols[None, :],
              s.to(OUT.dtype.element_ty), mask=ok)
 
 
 def flat_group_gemm_fuse_reshape(query_states, key_states, stride, chunk_start, chunk_end, is_causal=True):
     ref._check_gemm_args(query_states, key_states, stride, chunk_start, chunk_end)
-    q, k = _last_dim_dense(query_states), _last_dim_dense(key_states)
+    q, k = _tma_ready(query_states, 0, stride), _tma_ready(key_states, 0, stride)
     b, h, q_len, d = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
     out = torch.empty(b, h, q_len // stride, k_len // stride, device=q.device, dtype=q.dtype)
-    block = 64
+    block, block_k = 64, _block_k(d)
     grid = (triton.cdiv(q_len // stride, block), triton.cdiv(k_len // stride, block), b * h)
-    _gemm_kernel[grid](q, k, out, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], h, h // hkv,
-                       q_len, k_len, chunk_start, STRIDE=stride, HEAD=d, HEAD_PAD=_head_pad(d),
-                       BLOCK_M=block, BLOCK_N=block, CAUSAL=is_causal, DOT_PREC=_dot_precision(q.dtype))
+    _gemm_kernel[grid](_strided_desc(q, stride, block, block_k), _strided_desc(k, stride, block, block_k), out,
+                       *out.stride()[:3], h, h // hkv, q_len // stride, k_len // stride, chunk_start,
+                       STRIDE=stride, HEAD=d, BLOCK_M=block, BLOCK_N=block, BLOCK_K=block_k, CAUSAL=is_causal,
+                       DOT_PREC=_dot_precision(q.dtype))
     return out
 
 
@@ -152,39 +155,35 @@ def softmax_fuse_block_sum(attn_weights_slice, reshaped_block_size, segment_size
 # Fused estimator
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _estimate_kernel(Q, K, PART, TMAX, OUT,
-                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                     stride_pz, stride_pr, stride_tz, stride_tr, stride_ob, stride_oh, stride_oq,
-                     H, GROUP, q_first, q_len, k_len, row0, first_row, q_blocks, k_blocks, scale,
-                     STRIDE: tl.constexpr, RBS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+def _estimate_kernel(q_desc, k_desc, PART, TMAX, OUT, stride_pz, stride_pr, stride_tz, stride_tr, stride_ob,
+                     stride_oh, stride_oq, H, GROUP, q_row0, q_first, k_len, row0, first_row, q_blocks, k_blocks,
+                     scale, STRIDE: tl.constexpr, RBS: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row of this chunk's scratch
-    rows = row0 + local  # absolute reshaped rows
+    rows = row0 + local  # absolute reshaped rows; Q's descriptor row 0 is absolute row q_row0
     n_cols = tl.cdiv(k_len, STRIDE)
     hi = n_cols
     if CAUSAL:
         hi = tl.minimum(hi, row0 + pid_m * BLOCK_M + BLOCK_M)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + (h // GROUP) * stride_kh
     p_base = PART + bh * stride_pz + local[:, None] * stride_pr
     t_base = TMAX + bh * stride_tz + local * stride_tr
     NB: tl.constexpr = BLOCK_N // RBS
+    K_STEPS: tl.constexpr = STRIDE * (HEAD // BLOCK_K)
 
-    # Pass 1: one GEMM sweep, as a single loop over (key tile, stride step) so loads keep streaming across
-    # tiles; after a tile's last step, keep its row maxima and per-key-block partial sums, and update the
-    # running row max / sum (online softmax).
+    # Pass 1: one GEMM sweep, as a single loop over (key tile, stride step, head chunk) so loads keep streaming
+    # across tiles; after a tile's last chunk, keep its row maxima and per-key-block partial sums, and update
+    # the running row max / sum (online softmax).
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for it in range(0, tl.cdiv(hi, BLOCK_N) * STRIDE):
-        t = it // STRIDE
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _antidiag_step(acc, q_base, k_base, stride_qt, stride_kt, rows, cols, it % STRIDE, q_first, q_len,
-                             k_len, STRIDE, HEAD, HEAD_PAD, DOT_PREC)
-        if it % STRIDE == STRIDE - 1:
+    for it in range(0, tl.cdiv(hi, BLOCK_N) * K_STEPS):
+        t = it // K_STEPS
+        acc = _antidiag_step(acc, q_desc, k_desc, b, h, h // GROUP, row0 + pid_m * BLOCK_M - q_row0, t * BLOCK_N,
+                             it % K_STEPS, STRIDE, HEAD, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+        if it % K_STEPS == K_STEPS - 1:
+            cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
             ok = (cols < n_cols)[None, :]
             if CAUSAL:
                 ok = ok & (cols[None, :] <= rows[:, None])
@@ -221,10 +220,13 @@ def block_sums(query, key, block_size, stride, chunk_size, causal):
     b, h, hkv, q_len, k_len, d = ref.check_qkv(query, key)
     ref.check_estimate_args(block_size, stride, chunk_size)
     first, q_blocks, k_blocks = ref.block_layout(q_len, k_len, block_size)
-    q, k = _last_dim_dense(query), _last_dim_dense(key)
+    q_first = k_len - q_len
+    q = _tma_ready(query, q_first % stride, stride)  # its token 0 now sits at absolute reshaped row q_row0
+    k = _tma_ready(key, 0, stride)
     rbs = block_size // stride
     cfg = GPU_CONFIG if q.is_cuda else CPU_CONFIG
     block_m, block_n = max(rbs, cfg["block_m"]), max(rbs, cfg["block_n"])
+    block_k = min(cfg["block_k"], _block_k(d))
     total_rows = q_blocks * rbs
     chunk_rows = min(triton.cdiv(max(chunk_size // stride, 1), block_m) * block_m,
                      triton.cdiv(total_rows, block_m) * block_m)
@@ -232,14 +234,16 @@ def block_sums(query, key, block_size, stride, chunk_size, causal):
     part = torch.empty(b * h, chunk_rows, n_tiles * (block_n // rbs), device=q.device, dtype=torch.float32)
     tmax = torch.empty(b * h, chunk_rows, n_tiles, device=q.device, dtype=torch.float32)
     out = torch.zeros(b, h, q_blocks, k_blocks, device=q.device, dtype=torch.float32)
+    q_desc = _strided_desc(q, stride, block_m, block_k)
+    k_desc = _strided_desc(k, stride, block_n, block_k)
     for r0 in range(0, total_rows, chunk_rows):
         grid = (triton.cdiv(min(chunk_rows, total_rows - r0), block_m), b * h)
         _estimate_kernel[grid](
-            q, k, part, tmax, out, *q.stride()[:3], *k.stride()[:3], *part.stride()[:2], *tmax.stride()[:2],
-            *out.stride()[:3], h, h // hkv, k_len - q_len, q_len, k_len, first * rbs + r0, first * rbs,
-            q_blocks, k_blocks, ref.estimate_scale(d, stride), STRIDE=stride, RBS=rbs, HEAD=d,
-            HEAD_PAD=_head_pad(d), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-            DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            q_desc, k_desc, part, tmax, out, *part.stride()[:2], *tmax.stride()[:2], *out.stride()[:3], h,
+            h // hkv, q_first // stride, q_first, k_len, first * rbs + r0, first * rbs, q_blocks, k_blocks,
+            ref.estimate_scale(d, stride), STRIDE=stride, RBS=rbs, HEAD=d, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     return out, first
 
 
@@ -296,6 +300,40 @@ def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_si
 
 def _last_dim_dense(x):
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _tma_ready(x, front, stride):
+    """x ``[B, heads, n, D]`` with ``front`` zero tokens before it and zeros after up to a multiple of stride,
+    each head's tokens contiguous, in a layout TMA accepts (16-byte aligned base and strides). A copy only
+    when x is not already so."""
+    b, h, n, d = x.shape
+    total = triton.cdiv(front + n, stride) * stride
+    if front == 0 and total == n and x.stride(2) == d and _tma_aligned(x):
+        return x
+    if d * x.element_size() % 16:
+        raise ValueError(f"head size {d} x {x.element_size()} bytes is not a multiple of 16 bytes, which TMA needs")
+    out = x.new_zeros(b, h, total, d)
+    out[:, :, front:front + n] = x
+    return out
+
+
+def _tma_aligned(x):
+    size = x.element_size()
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in x.stride()[:-1])
+
+
+def _strided_desc(x, stride, rows, block_k):
+    """TMA descriptor of x ``[B, heads, n, D]`` (each head's n tokens contiguous, n a multiple of stride) as
+    ``[B, heads, n / stride, stride * D]``: a box is ``rows`` reshaped rows of one stride step's ``block_k``
+    head columns. (Seen as ``[.., stride, n / stride, D]`` the same boxes ran at half the speed at stride 16.)"""
+    b, h, n, d = x.shape
+    return TensorDescriptor(x, [b, h, n // stride, stride * d], [x.stride(0), x.stride(1), stride * d, 1],
+                            [1, 1, rows, block_k])
+
+
+def _block_k(d):
+    """Head-dim chunk of one GEMM step: the largest power of two dividing d, at most 64."""
+    return min(64, d & -d)
 
 
 def _pow2(n):
