@@ -92,19 +92,23 @@ def test_softmax_block_sum_triton_matches_reference(triton_backend, causal):
 # ----------------------------------------------------------------------------------------------------
 # Estimation and selection
 # ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("q_len,k_len,heads,stride,block,chunk,causal,head", [
-    (512, 512, (2, 2), 8, 64, 16384, True, 64),    # whole prompt, aligned
-    (300, 700, (4, 2), 8, 64, 128, True, 64),      # chunked prefill, unaligned start, GQA, several chunks
-    (77, 333, (2, 1), 4, 32, 64, True, 64),        # ragged everything
-    (200, 333, (2, 2), 16, 128, 16384, False, 64),
-    (160, 480, (4, 2), 8, 64, 16384, True, 80),    # head of 80: 16-wide head chunks
+@pytest.mark.parametrize("q_len,k_len,heads,stride,block,chunk,causal,head,batch,packed", [
+    (512, 512, (2, 2), 8, 64, 16384, True, 64, 1, True),    # whole prompt, aligned
+    (300, 700, (4, 2), 8, 64, 128, True, 64, 1, True),      # chunked prefill, unaligned start, GQA, several chunks
+    (77, 333, (2, 1), 4, 32, 64, True, 64, 1, True),        # ragged everything
+    (200, 333, (2, 2), 16, 128, 16384, False, 64, 1, True),
+    (160, 480, (4, 2), 8, 64, 16384, True, 80, 1, True),    # head of 80: 16-wide head chunks
+    (256, 512, (4, 2), 8, 64, 128, True, 64, 2, False),     # batched, aligned: read in place, no copy
+    (96, 96, (2, 1), 8, 32, 16384, True, 72, 2, False),     # head of 72: padded to 80 channels
 ])
-def test_block_sums_triton_match_reference(q_len, k_len, heads, stride, block, chunk, causal, head):
+def test_block_sums_triton_match_reference(q_len, k_len, heads, stride, block, chunk, causal, head, batch, packed):
     from pagedllm.ops.xattention import estimate
     torch.manual_seed(2)
-    # queries as the engine passes them: a [tokens, heads, D] slice seen as [1, heads, tokens, D]
-    q = _randn(q_len, heads[0], head).transpose(0, 1)[None]
-    k = _randn(1, heads[1], k_len, head)
+    if packed:  # queries as the engine passes them: a [tokens, heads, D] slice seen as [1, heads, tokens, D]
+        q = _randn(q_len, heads[0], head).transpose(0, 1)[None]
+    else:
+        q = _randn(batch, heads[0], q_len, head)
+    k = _randn(batch, heads[1], k_len, head)
     got, first = estimate.block_sums(q, k, block, stride, chunk, causal)
     want, first_ref = ref.block_sums(q, k, block, stride, chunk, causal)
     assert first == first_ref == (k_len - q_len) // block
@@ -208,6 +212,19 @@ def test_block_sparse_attention_triton_matches_reference(triton_backend, q_len, 
     want = ref.block_sparse_attention(q, k, v, mask, block, causal)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
+def test_block_sparse_attention_triton_takes_strided_and_unaligned_views(triton_backend):
+    """Views TMA cannot read in place (rows of 68 halves: 136-byte strides) are copied; a [B, L, H, D] tensor
+    seen as [B, H, L, D] is read in place. Both give the reference's output."""
+    torch.manual_seed(6)
+    q = _randn(2, 4, 192, 68)[..., :64]
+    k = _randn(2, 192, 2, 64).transpose(1, 2)
+    v = _randn(2, 2, 192, 64)
+    mask = _random_mask(2, 4, 192, 192, 64, 0.6, True, seed=6)
+    got = xa.block_sparse_attention(q, k, v, mask, 64)
+    want = ref.block_sparse_attention(q.float(), k.float(), v.float(), mask, 64)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
 
 
 def test_block_sparse_attention_triton_rejects_nonpositive_scale(triton_backend):

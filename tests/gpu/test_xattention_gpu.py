@@ -60,6 +60,18 @@ def test_block_sums_match_reference(q_len, k_len, stride):
     assert 0 < float(density) <= 1
 
 
+@pytest.mark.parametrize("heads,kv_heads,head,stride", [(9, 3, 64, 8), (4, 1, 256, 16), (4, 2, 80, 8),
+                                                      (4, 2, 72, 16)])
+def test_block_sums_other_heads_match_reference(heads, kv_heads, head, stride):
+    """SmolLM2's and Gemma 3's shapes; heads of 80 (16-channel GEMM steps) and 72 (padded to 80); the query a
+    packed [tokens, heads, D] slice as the engine passes it."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q = torch.randn(3000, heads, head, device="cuda", generator=g).bfloat16().transpose(0, 1)[None]
+    k = torch.randn(1, kv_heads, 5000, head, device="cuda", generator=g).bfloat16()
+    got, _ = estimate.block_sums(q, k, 128, stride, 16384, True)
+    torch.testing.assert_close(got, ref.block_sums(q, k, 128, stride, 4096, True)[0], rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("q_len,k_len", [(8192, 8192), (3000, 10000)])
 def test_block_sparse_attention_matches_reference(q_len, k_len):
     q, k, v = _qkv(q_len, k_len, seed=2)

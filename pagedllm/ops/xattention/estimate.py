@@ -10,8 +10,8 @@ no score matrix ever reaches memory. Q and K are read through TMA tensor descrip
 tokens ``[len, D]`` as ``[len / stride, stride * D]``, so each stride step of a tile is one box load (GQA by
 head index; out-of-range tokens load as zeros). A token-padded copy is made only when a head's tokens are
 not contiguous (the engine's packed query), a length or the queries' offset is not a multiple of the stride,
-or a stride breaks TMA's 16-byte alignment. `select_blocks` then picks each query block's key blocks in one
-program per row, by bisection instead of a sort.
+a stride breaks TMA's 16-byte alignment, or the head is not a multiple of 16 channels. `select_blocks` then
+picks each query block's key blocks in one program per row, by bisection instead of a sort.
 """
 import torch
 import triton
@@ -79,8 +79,8 @@ def _gemm_kernel(q_desc, k_desc, OUT, stride_ob, stride_oh, stride_or, H, GROUP,
 
 def flat_group_gemm_fuse_reshape(query_states, key_states, stride, chunk_start, chunk_end, is_causal=True):
     ref._check_gemm_args(query_states, key_states, stride, chunk_start, chunk_end)
-    q, k = _tma_ready(query_states, 0, stride), _tma_ready(key_states, 0, stride)
-    b, h, q_len, d = q.shape
+    q, k = _tma_tokens(query_states, 0, stride), _tma_tokens(key_states, 0, stride)
+    b, h, q_len, d = q.shape  # d: the head padded to a multiple of 16
     hkv, k_len = k.shape[1], k.shape[2]
     out = torch.empty(b, h, q_len // stride, k_len // stride, device=q.device, dtype=q.dtype)
     block, block_k = 64, _block_k(d)
@@ -221,12 +221,15 @@ def block_sums(query, key, block_size, stride, chunk_size, causal):
     ref.check_estimate_args(block_size, stride, chunk_size)
     first, q_blocks, k_blocks = ref.block_layout(q_len, k_len, block_size)
     q_first = k_len - q_len
-    q = _tma_ready(query, q_first % stride, stride)  # its token 0 now sits at absolute reshaped row q_row0
-    k = _tma_ready(key, 0, stride)
+    q = _tma_tokens(query, q_first % stride, stride)  # its token 0 now sits at absolute reshaped row q_row0
+    k = _tma_tokens(key, 0, stride)
+    d_pad = q.shape[-1]
     rbs = block_size // stride
     cfg = GPU_CONFIG if q.is_cuda else CPU_CONFIG
     block_m, block_n = max(rbs, cfg["block_m"]), max(rbs, cfg["block_n"])
-    block_k = min(cfg["block_k"], _block_k(d))
+    if block_m > 256 or block_n > 256:
+        raise ValueError(f"block_size / stride = {rbs} reshaped rows per block; a TMA box holds at most 256")
+    block_k = min(cfg["block_k"], _block_k(d_pad))
     total_rows = q_blocks * rbs
     chunk_rows = min(triton.cdiv(max(chunk_size // stride, 1), block_m) * block_m,
                      triton.cdiv(total_rows, block_m) * block_m)
@@ -241,7 +244,7 @@ def block_sums(query, key, block_size, stride, chunk_size, causal):
         _estimate_kernel[grid](
             q_desc, k_desc, part, tmax, out, *part.stride()[:2], *tmax.stride()[:2], *out.stride()[:3], h,
             h // hkv, q_first // stride, q_first, k_len, first * rbs + r0, first * rbs, q_blocks, k_blocks,
-            ref.estimate_scale(d, stride), STRIDE=stride, RBS=rbs, HEAD=d, BLOCK_M=block_m, BLOCK_N=block_n,
+            ref.estimate_scale(d, stride), STRIDE=stride, RBS=rbs, HEAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     return out, first
@@ -302,19 +305,29 @@ def _last_dim_dense(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _tma_ready(x, front, stride):
-    """x ``[B, heads, n, D]`` with ``front`` zero tokens before it and zeros after up to a multiple of stride,
-    each head's tokens contiguous, in a layout TMA accepts (16-byte aligned base and strides). A copy only
-    when x is not already so."""
+def _tma_tokens(x, front, stride):
+    """x ``[B, heads, n, D]`` as the estimator's strided descriptor reads it: ``front`` zero tokens before it
+    and zeros after up to a multiple of stride, each head's tokens contiguous, the head padded with zero
+    channels to a multiple of 16 (a 16-bit tensor-core step; zeros add nothing to the scores), 16-byte
+    aligned. A copy only when x is not already so."""
     b, h, n, d = x.shape
     total = triton.cdiv(front + n, stride) * stride
-    if front == 0 and total == n and x.stride(2) == d and _tma_aligned(x):
+    d_pad = triton.cdiv(d, 16) * 16
+    if front == 0 and total == n and d == d_pad and x.stride(2) == d and _tma_aligned(x):
         return x
-    if d * x.element_size() % 16:
-        raise ValueError(f"head size {d} x {x.element_size()} bytes is not a multiple of 16 bytes, which TMA needs")
-    out = x.new_zeros(b, h, total, d)
-    out[:, :, front:front + n] = x
+    out = x.new_zeros(b, h, total, d_pad)
+    out[:, :, front:front + n, :d] = x
     return out
+
+
+def _tma_operand(x):
+    """x itself when a TMA descriptor can read it (unit last stride, 16-byte aligned base and strides), else a
+    contiguous copy."""
+    if _tma_aligned(x):
+        return x
+    if x.shape[-1] * x.element_size() % 16:
+        raise ValueError(f"head size {x.shape[-1]} of {x.dtype} is not a multiple of 16 bytes, which TMA needs")
+    return x.contiguous()
 
 
 def _tma_aligned(x):
@@ -332,7 +345,7 @@ def _strided_desc(x, stride, rows, block_k):
 
 
 def _block_k(d):
-    """Head-dim chunk of one GEMM step: the largest power of two dividing d, at most 64."""
+    """Head-dim chunk of one GEMM step: the largest power of two dividing d (a multiple of 16), at most 64."""
     return min(64, d & -d)
 
 

@@ -25,7 +25,7 @@ from pagedllm.ops.triton._host import cache_layout
 from pagedllm.ops.triton.paged_tile import _to_compute, cache_offsets
 
 from . import reference as ref
-from .estimate import _dot_precision, _head_pad, _pow2, _tma_aligned, _tma_ready, xattn_estimate
+from .estimate import _dot_precision, _head_pad, _pow2, _tma_operand, xattn_estimate
 
 NEG_INF = tl.constexpr(float("-inf"))
 _FP8 = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}
@@ -103,8 +103,6 @@ def _attend(q, m_i, l_i, acc, start, q0, seq, seq_len, K, V, kvh, bt_row, qk_sca
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_tile(V, seq, kvh, page, start, offs_n, n_ok, stride_v0, stride_v1, stride_v2, q.dtype, PAGED, PAGE,
                    X, LAYOUT, FP8, MASKED, HEAD, HEAD_PAD, False)
-    if MASKED and PAGED:  # unwritten cache slots may hold NaN; 0 * NaN is not 0 (TMA fills zeros past dense K/V)
-        v = tl.where(n_ok[:, None], v, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return m_new, l_i, acc
 
@@ -222,9 +220,7 @@ def _launch(out, query, k, v, block_tables, scales, masks, plan, o_strides, k_st
     d = query.shape[-1]
     cfg = GPU_CONFIG["paged" if paged else "dense"] if query.is_cuda else CPU_CONFIG
     block_m, block_n = min(cfg["block_m"], block_size), min(cfg["block_n"], block_size)
-    if not _tma_aligned(query):
-        raise ValueError(f"query strides {query.stride()} ({query.dtype}) are not what TMA needs: a unit last "
-                         "stride, 16-byte aligned base and other strides (head size a multiple of 16 bytes)")
+    query = _tma_operand(query)
     # unit box dimensions lead: the loaded tile then reshapes to 2-D without a trip through registers
     q_desc = TensorDescriptor.from_tensor(query, [1, 1, block_m, _head_pad(d)])
     if not paged:
@@ -248,7 +244,7 @@ def block_sparse_attention(q, k, v, block_mask, block_size=128, causal=True, sca
     b, h, hkv, q_len, k_len, d = ref.check_qkv(q, k, v)
     _check_block_size(block_size)
     ref.check_mask(block_mask, b, h, q_len, k_len, block_size)
-    q, k, v = q if q.stride(-1) == 1 else q.contiguous(), _tma_ready(k, 0, 1), _tma_ready(v, 0, 1)
+    k, v = _tma_operand(k), _tma_operand(v)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty_like(q)
     plan = [(i, k_len - q_len, k_len, 0, i * out.stride(0)) for i in range(b)]
