@@ -126,3 +126,24 @@ def test_throughput_rejects_a_workload_longer_than_max_model_len(capsys):
         main(["bench", "throughput", *TINY_RUN, "--max-model-len", "64", "--min-input-len", "10",
               "--max-input-len", "40", "--min-output-len", "10", "--max-output-len", "30"])
     assert e.value.code == 2 and "exceeds --max-model-len 64" in capsys.readouterr().err
+
+
+def test_triton_spills_specs_match_the_kernels():
+    """benchmarks/triton_spills.py compiles each kernel from a hand-written signature: every typed or constant
+    argument it names must be a parameter, and every constexpr parameter must get a value, or the report would
+    fail (or silently type a renamed pointer as an int)."""
+    import inspect
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import triton_spills
+    finally:
+        sys.path.pop(0)
+    for name, spec in triton_spills.KERNELS.items():
+        fn, types, consts, warps, stages = spec()
+        params = inspect.signature(fn.fn).parameters
+        assert set(types) <= set(params) and set(consts) <= set(params), name
+        constexprs = {p for p, v in params.items() if "constexpr" in str(v.annotation)}
+        assert constexprs == set(consts), name
+        assert warps in (1, 2, 4, 8, 16) and stages >= 1

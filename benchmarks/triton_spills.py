@@ -1,0 +1,136 @@
+"""Registers and spills of our main Triton kernels compiled for the H100 (sm_90a), on a machine without a GPU.
+
+Each kernel is compiled at the launch config its op uses on the GPU (`triton.compile` with an explicit
+target), and the PTX goes through `ptxas -v` (the one in Triton's wheel that reads the PTX version it
+emits). Spill stores/loads are local-memory traffic, usually inside the hot loop: at 255 registers a kernel
+that spills runs far below its tile's speed (the XAttention sparse kernel ran at ~60% of its later speed
+until a query tile held in ~50 registers moved to shared memory; benchmarks/results/README.md). The
+register allocation is this machine's Triton's; the GPU machine's Triton may differ, so a clean report here
+is a hint to check on the device, not a guarantee.
+
+    python benchmarks/triton_spills.py [--only NAME ...]
+"""
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pagedllm.ops.triton import decode, prefill
+from pagedllm.ops.xattention import estimate, sparse_attention
+
+TARGET = GPUTarget("cuda", 90, 32)
+HEAD = 128  # the Qwen3 / Llama head every config below was tuned for
+
+
+def _desc(*block):
+    return f"tensordesc<bf16[{', '.join(map(str, block))}]>"
+
+
+def _sparse(paged):
+    cfg = sparse_attention.GPU_CONFIG["paged" if paged else "dense"]
+    kv = "*bf16" if paged else _desc(1, 1, cfg["block_n"], HEAD)
+    types = dict(Q=_desc(1, 1, cfg["block_m"], HEAD), O="*bf16", K=kv, V=kv, BLOCK_TABLES="*i32", SCALES="*fp32",
+                 ITEM_P="*i32", ITEM_J="*i32", P_SEQ="*i64", P_QSTART="*i64", P_LEN="*i64", P_QROW="*i64",
+                 P_OOFF="*i64", KV_IDX="*i32", KV_CNT="*i32", qk_scale="fp32")
+    consts = dict(BLOCK_SIZE=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD=HEAD, HEAD_PAD=HEAD,
+                  PAGED=paged, PAGE=16 if paged else 1, X=8 if paged else 1, LAYOUT=1 if paged else 0, FP8=0,
+                  CAUSAL=True, DOT_PREC="tf32")
+    return sparse_attention._sparse_attn_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
+
+
+def _estimate(stride):
+    cfg = estimate.GPU_CONFIG
+    types = dict(q_desc=_desc(1, 1, cfg["block_m"], cfg["block_k"]), k_desc=_desc(1, 1, cfg["block_n"], cfg["block_k"]),
+                 PART="*fp32", TMAX="*fp32", OUT="*fp32", scale="fp32")
+    consts = dict(STRIDE=stride, RBS=128 // stride, HEAD=HEAD, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                  BLOCK_K=cfg["block_k"], CAUSAL=True, DOT_PREC="tf32")
+    return estimate._estimate_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
+
+
+class _CudaQuery:  # what the ops' config functions read of the query
+    is_cuda = True
+
+    @staticmethod
+    def element_size():
+        return 2
+
+
+def _prefill(max_seq_len):
+    block_m, block_n, warps, stages = prefill._config(_CudaQuery, HEAD, 2, 16, max_seq_len)
+    types = dict(out="*bf16", query="*bf16", k_cache="*bf16", v_cache="*bf16", block_tables="*i32",
+                 seq_lens="*i32", query_start_loc="*i32", alibi_slopes="*fp32", k_scale="fp32", v_scale="fp32",
+                 scale="fp32")
+    consts = dict(GROUP=2, TOKENS=block_m // 2, BLOCK_M=block_m, HEAD_SIZE=HEAD, HEAD_PAD=HEAD, BLOCK_SIZE=16,
+                  BLOCK_N=block_n, X=8, LAYOUT=1, FP8=0, SCALE_PTR=False, ALIBI=False, DOT_PREC="tf32")
+    return prefill._prefill_kernel, types, consts, warps, stages
+
+
+def _decode(split):
+    block_n, warps, stages = decode._config(_CudaQuery, HEAD, 16)
+    types = dict(out="*bf16", part_max="*fp32", part_sum="*fp32", part_out="*bf16", query="*bf16",
+                 k_cache="*bf16", v_cache="*bf16", block_tables="*i32", seq_lens="*i32",
+                 alibi_slopes="*fp32", k_scale="fp32", v_scale="fp32", scale="fp32")
+    consts = dict(GROUP=2, GROUP_PAD=16, HEAD_SIZE=HEAD, HEAD_PAD=HEAD, BLOCK_SIZE=16, BLOCK_N=block_n, X=8,
+                  LAYOUT=1, FP8=0, SCALE_PTR=False, ALIBI=False, SPARSE=False, SPLIT=split, DOT_PREC="tf32")
+    return decode._decode_kernel, types, consts, warps, stages
+
+
+# name -> kernel spec at its GPU launch config (bf16, head 128, Qwen3-0.6B's 2 query heads per kv head)
+KERNELS = {
+    "xattention_sparse_dense": lambda: _sparse(False),
+    "xattention_sparse_paged": lambda: _sparse(True),
+    "xattention_estimate_s8": lambda: _estimate(8),
+    "xattention_estimate_s16": lambda: _estimate(16),
+    "prefill_short": lambda: _prefill(1024),
+    "prefill_long": lambda: _prefill(16384),
+    "decode_single_pass": lambda: _decode(False),
+    "decode_split": lambda: _decode(True),
+}
+
+
+def _ptxas():
+    nvidia = triton.knobs.nvidia
+    for tool in (getattr(nvidia, "ptxas_blackwell", None), nvidia.ptxas):  # the newest reads the newest PTX
+        if tool is not None and tool.path and os.path.exists(tool.path):
+            return tool.path
+    raise RuntimeError("no ptxas found in this Triton installation")
+
+
+def report(name):
+    """(registers, spill store bytes, spill load bytes) of one kernel of KERNELS."""
+    fn, types, consts, warps, stages = KERNELS[name]()
+    params = inspect.signature(fn.fn).parameters
+    signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=TARGET,
+                            options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True, check=True)
+    text = log.stdout + log.stderr
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    stores, loads = (int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text).groups())
+    return regs, stores, loads
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=sorted(KERNELS), default=list(KERNELS))
+    args = parser.parse_args()
+    print(f"Triton {triton.__version__}, sm_90a, bf16, head {HEAD}")
+    print(f"{'kernel':26} {'registers':>9} {'spill stores':>13} {'spill loads':>12}")
+    for name in args.only:
+        regs, stores, loads = report(name)
+        print(f"{name:26} {regs:9d} {stores:12d}B {loads:11d}B", flush=True)
+
+
+if __name__ == "__main__":
+    main()
