@@ -1,90 +1,105 @@
-"""Can a Triton GEMM beat cuBLAS on the decode step's linear layers? Times torch.nn.functional.linear
-(cuBLAS) against a plain Triton GEMM (optional split-K through an fp32 workspace) swept over tile sizes, for
-Qwen3-0.6B's projections and LM head at decode batch sizes, both in CUDA-graph replays (as decode steps run
-them). Prints one line per (shape, M) with the best Triton config, and per M the sum over a step
-(28 layers + LM head). Answer on the H100 (results/gemm_probe*_h100_20261122.log): no.
+"""The decode step's residual projections (o_proj, down_proj) and the RMSNorm that adds them to the residual:
+cuBLAS (torch.nn.functional.linear) + fused.rms_norm against pagedllm's split-K GEMM + fused.rms_norm_split_k
+(`pagedllm.ops.triton.linear`), on Qwen3-0.6B's and Llama-3-8B's shapes, with the weights coming from DRAM
+as in a decode step (each timed pair reads the next of enough weight copies to overflow the L2), in
+CUDA-graph replays. Per (shape, rows): both pairs, the op's own config, and the best of a sweep (the
+measurements behind `linear._config` and `linear.MAX_ROWS`); per row count the sum over Qwen3-0.6B's 28
+layers.
 
-    python benchmarks/gemm_probe.py [--m 1 8 16 64 128 256]
+    python benchmarks/gemm_probe.py [--m 1 16 32 64 128] [--out probe.json]
 """
 import argparse
 import itertools
+import json
 
 import torch
 import triton
-import triton.language as tl
 
-# name -> (N, K) of Qwen3-0.6B's weights [N, K]
-SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
-          "lm_head": (151936, 1024)}
+from pagedllm.ops.triton import fused
+from pagedllm.ops.triton import linear as ops
+
+# name -> (N, K) of the weights [N, K]
+SHAPES = {"qwen3-0.6b o": (1024, 2048), "qwen3-0.6b down": (1024, 3072),
+          "llama3-8b o": (4096, 4096), "llama3-8b down": (4096, 14336)}
 LAYERS = 28
+L2_BYTES = 160 << 20  # weight copies per timed graph: comfortably past the H100's 50 MB L2
 
 
-@triton.jit
-def _gemm(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    k_per = K // SPLIT_K
-    for k in range(pid_k * k_per, (pid_k + 1) * k_per, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=offs_m[:, None] < M, other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :])
-        acc += tl.dot(x, tl.trans(w))
-    ptrs = y_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+def graph_us(fn, calls):
+    """Best per-call time over 7 timings of 5 replays of a graph of `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    best = float("inf")
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 5 / calls * 1e3)
+    return best
 
 
-def triton_linear(x, w, cfg, workspace, out):
-    bm, bn, bk, split, warps, stages = cfg
-    M, K = x.shape
-    N = w.shape[0]
-    y = out if split == 1 else workspace[:split * M * N].view(split, M, N)
-    _gemm[(triton.cdiv(M, bm), N // bn, split)](x, w, y, M, N, K, x.stride(0), w.stride(0), BLOCK_M=bm,
-                                               BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
-                                               num_stages=stages)
-    return out if split == 1 else torch.sum(y, 0, out=out.float()).to(out.dtype)
-
-
-def graph_us(fn):
-    return triton.testing.do_bench_cudagraph(fn, rep=40) * 1e3
+def sweep(m, n, k):
+    bm = max(16, triton.next_power_of_2(m))
+    for bn, bk, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 4, 6)):
+        if n % bn == 0 and k % (bk * split) == 0 and stages * (bn + bm) * bk * 2 <= 200 << 10:
+            yield bm, bn, bk, split, stages
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 16, 64, 128, 256])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    workspace = torch.empty(4 * max(args.m) * SHAPES["lm_head"][0], device="cuda", dtype=torch.float32)
-    for M in args.m:
-        total_cublas = total_triton = 0.0
-        for name, (N, K) in SHAPES.items():
-            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 32
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            ref = torch.nn.functional.linear(x, w)
-            t_cublas = graph_us(lambda: torch.nn.functional.linear(x, w))
-            best = None
-            for cfg in itertools.product((16, 64, 128), (16, 32, 64, 128), (64, 128, 256), (1, 2, 4), (4, 8), (3,)):
-                bm, bn, bk, split = cfg[:4]
-                if bm > max(M, 16) or N % bn or K % (bk * split) or (name == "lm_head" and split > 1):
-                    continue
+    torch.manual_seed(0)
+    rows = []
+    for m in args.m:
+        step = {"cublas": 0.0, "op": 0.0}
+        for name, (n, k) in SHAPES.items():
+            copies = max(2, L2_BYTES // (n * k * 2))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            norm_w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+            exact = (x.double() @ ws[0].double().T).float()
+
+            def cublas():
+                for w in ws:
+                    fused.rms_norm(torch.nn.functional.linear(x, w), norm_w, 1e-6, residual)
+
+            def ours(cfg):
+                for w in ws:
+                    fused.rms_norm_split_k(ops.split_k_linear(x, w, cfg), norm_w, 1e-6, residual)
+
+            t_cublas = graph_us(cublas, copies)
+            times = {}
+            for cfg in [None, *sweep(m, n, k)]:
                 try:
-                    err = (triton_linear(x, w, cfg, workspace, out).float() - ref.float()).abs().max().item()
-                    t = graph_us(lambda: triton_linear(x, w, cfg, workspace, out))
-                except Exception:  # a config the compiler rejects (shared memory) is simply skipped
+                    err = (ops.split_k_linear(x, ws[0], cfg).sum(0) - exact).abs().max().item()
+                    times[cfg] = graph_us(lambda: ours(cfg), copies)
+                except triton.runtime.errors.OutOfResources:
                     continue
-                if best is None or t < best[0]:
-                    best = (t, cfg, err)
-            times = LAYERS if name != "lm_head" else 1
-            total_cublas += t_cublas * times
-            total_triton += best[0] * times
-            print(f"{name:8s} M={M:3d} N={N:6d} K={K:5d}  cublas {t_cublas:7.2f} us  triton {best[0]:7.2f} us "
-                  f"cfg {best[1]} max err {best[2]:.3g}", flush=True)
-        print(f"M={M}: per step ({LAYERS} layers + lm_head) cublas {total_cublas:.0f} us, "
-              f"best triton {total_triton:.0f} us", flush=True)
+                if err > 1e-3 * exact.abs().max().item():
+                    raise AssertionError(f"{name} M={m} config {cfg}: max error {err}")
+            t_op = times.pop(None)
+            best_cfg = min(times, key=times.get)
+            if name.startswith("qwen3"):
+                step["cublas"] += LAYERS * t_cublas
+                step["op"] += LAYERS * (t_op if m <= ops.MAX_ROWS else t_cublas)
+            rows.append(dict(shape=name, m=m, n=n, k=k, cublas_us=t_cublas, op_us=t_op, op_config=ops._config(m, n, k),
+                             best_us=times[best_cfg], best_config=best_cfg))
+            print(f"{name:16s} M={m:3d} N={n:5d} K={k:5d}  cuBLAS + norm {t_cublas:6.2f} us  split-K + norm "
+                  f"{t_op:6.2f} us {ops._config(m, n, k)}  best {times[best_cfg]:6.2f} us {best_cfg}", flush=True)
+        print(f"M={m}: Qwen3-0.6B's o + down + their norms over {LAYERS} layers: cuBLAS {step['cublas']:.0f} us, "
+              f"as the layers run them (split-K up to {ops.MAX_ROWS} rows) {step['op']:.0f} us", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

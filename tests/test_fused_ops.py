@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
-from pagedllm.layers import activation, norm, rotary  # noqa: E402
+from pagedllm.layers import activation, linear, norm, rotary  # noqa: E402
 from pagedllm.layers.activation import SiluAndMul  # noqa: E402
 from pagedllm.layers.norm import RMSNorm  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -192,11 +192,59 @@ def test_rope_and_cache_equals_rope_then_cache_write(layout, dtype, kv_cache_dty
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows,n,k,config", [
+    (1, 128, 1024, None),  # the tuned choice: K split 8 ways
+    (5, 192, 256, (16, 64, 128, 2, 2)),
+    (37, 64, 384, (16, 64, 128, 1, 2)),  # three row tiles, the last ragged; no split
+    (64, 128, 512, (64, 128, 256, 2, 2)),
+])
+def test_split_k_linear_sums_to_the_product(rows, n, k, config):
+    from pagedllm.ops.triton import linear as ops
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k + 8, generator=gen).half()[:, 8:]  # strided rows
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).half()
+    assert ops.split_k_supported(x, w, None)
+    partials = ops.split_k_linear(x, w, config)
+    split = (config or ops._config(rows, n, k))[3]
+    assert partials.shape == (split, rows, n) and partials.dtype == torch.float32
+    torch.testing.assert_close(partials.sum(0), x.float() @ w.float().T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="does not tile"):
+        ops.split_k_linear(x, w, (16, 64, 256, 4, 2) if k % 1024 else (16, 96, 128, 1, 2))
+
+
+def test_split_k_supported_shapes():
+    from pagedllm.ops.triton import linear as ops
+    x, w = torch.zeros(4, 256, dtype=torch.float16), torch.zeros(128, 256, dtype=torch.float16)
+    assert ops.split_k_supported(x, w, None)
+    assert not ops.split_k_supported(x.float(), w.float(), None)  # fp32 keeps cuBLAS's precision
+    assert not ops.split_k_supported(x, w, torch.zeros(128, dtype=torch.float16))
+    assert not ops.split_k_supported(torch.zeros(ops.MAX_ROWS + 1, 256, dtype=torch.float16), w, None)
+    assert not ops.split_k_supported(x, w[:96], None)  # N not a multiple of the 64-row weight tile
+    wide = torch.zeros(64 * (ops.MAX_OUTPUT_TILES + 1), 256, dtype=torch.float16)
+    assert not ops.split_k_supported(x, wide, None)  # cuBLAS already covers the GPU
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_rms_norm_split_k_is_rms_norm_of_the_sum(parts):
+    gen = torch.Generator().manual_seed(parts)
+    layer = _norm_layer(200, torch.float16, gen)
+    partials = torch.randn(parts, 37, 200, generator=gen)
+    residual = torch.randn(37, 200, generator=gen).half()
+    total = partials[0].clone()
+    for p in partials[1:]:  # the kernel's order
+        total += p
+    fused = _fused()
+    out = fused.rms_norm_split_k(partials, layer.weight, layer.eps, residual)
+    ref = fused.rms_norm(total.half(), layer.weight, layer.eps, residual)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
-    """The layers' wiring: a Qwen3 (per-head q/k norm, 80-dim heads, in-place RoPE on the qkv output)
-    gives the same logits through the kernels as through the PyTorch code."""
-    config = Qwen3Config(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+    """The layers' wiring: a Qwen3 (per-head q/k norm, 80-dim heads, in-place RoPE on the qkv output; in
+    fp16 down_proj's output as split-K partials into the next residual norm; o_proj's K of 240 does not tile
+    for it) gives the same logits through the kernels as through the PyTorch code."""
+    config = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=1, head_dim=80, max_position_embeddings=256,
                          architectures=["Qwen3ForCausalLM"])
     config.save_pretrained(tmp_path)
@@ -207,9 +255,12 @@ def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
     ids = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(2))
     reference = prefill_logits(model, ids)
-    for module in (norm, activation, rotary):  # route CPU tensors through the kernels, as CUDA ones are
+    for module in (norm, activation, rotary, linear):  # route CPU tensors through the kernels, as CUDA ones are
         monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
+    split_k = []
+    monkeypatch.setattr(_fused(), "split_k_linear", lambda *a, f=_fused().split_k_linear: split_k.append(1) or f(*a))
     fused = prefill_logits(model, ids)
+    assert len(split_k) == (0 if dtype == torch.float32 else 2)  # down_proj of each layer
     err = (fused - reference).abs().max() / reference.abs().max()
     assert err < rel, f"max error {err:.2e} relative to the largest logit"
 

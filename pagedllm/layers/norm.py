@@ -60,7 +60,10 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: returns norm(x). With residual: returns (norm(x + residual), x + residual)."""
+        """Without residual: returns norm(x). With residual: returns (norm(x + residual), x + residual).
+        x may be a ResidualLinear's SplitKSums (only on the fused path, always with a residual)."""
+        if not isinstance(x, torch.Tensor):
+            return x.add_rms_norm(self.weight, self.eps, residual)
         kernels = fused_kernels(x)
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps, residual)

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, Rope
+from pagedllm.layers.linear import ResidualLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_config
 
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size,
                                      {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
                                      bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = ResidualLinear(self.q_size, config.hidden_size, bias=o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -68,7 +69,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             config.hidden_size, {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size},
             bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = ResidualLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

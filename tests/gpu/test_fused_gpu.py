@@ -178,15 +178,19 @@ def test_kernels_replay_in_a_cuda_graph():
     positions = torch.empty(tokens, device=DEV, dtype=torch.int64)
     norm_args = (q_norm.weight, k_norm.weight, q_norm.eps)
 
+    down = torch.empty(hidden, 3072, device=DEV, dtype=dtype)
+
     def step():
         out, res = fused.rms_norm(x, norm.weight, norm.eps, residual)
         q, k = qk.split([heads * head_size, kv_heads * head_size], dim=-1)
         fused.rotary_embedding(positions, q, k, head_size, rope.cos_sin_cache, norm_args)
-        return out, res, fused.silu_and_mul(gate_up), fused.argmax(gate_up)
+        act = fused.silu_and_mul(gate_up)
+        down_out = fused.rms_norm_split_k(fused.split_k_linear(act, down), norm.weight, norm.eps, res)
+        return out, res, act, fused.argmax(gate_up), *down_out
 
     def fill(seed):
         g = torch.Generator(device=DEV).manual_seed(seed)
-        for t in (x, residual, gate_up, qk):
+        for t in (x, residual, gate_up, qk, down):
             t.copy_(torch.randn(t.shape, generator=g, device=DEV))
         positions.copy_(torch.randint(0, 4096, (tokens,), generator=g, device=DEV))
 
@@ -205,6 +209,32 @@ def test_kernels_replay_in_a_cuda_graph():
         assert torch.equal(qk, qk_in)
         eager = list(step()) + [qk]
         assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64])
+# o_proj, down_proj of Qwen3-0.6B and of Llama 3 8B
+@pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (4096, 4096), (4096, 14336)])
+@torch.inference_mode()
+def test_split_k_projection_into_the_residual_norm(dtype, rows, n, k, unfused):
+    """o_proj / down_proj on the fused path: split-K partials that sum to x W^T, and the residual RMSNorm
+    that consumes them equals the layers' PyTorch code given cuBLAS's projection (up to its rounding)."""
+    gen = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, k + 64, generator=gen, device=DEV).to(dtype)[:, 64:]  # strided rows, as views are
+    weight = (torch.randn(n, k, generator=gen, device=DEV) / k ** 0.5).to(dtype)
+    assert fused.split_k_supported(x, weight, None) == (n <= 2048)  # Llama's 4096 outputs keep cuBLAS
+    partials = fused.split_k_linear(x, weight)
+    exact = x.double() @ weight.double().T
+    assert (partials.sum(0).double() - exact).abs().max() < 1e-4 * exact.abs().max()
+
+    layer = _norm_layer(n, dtype, gen)
+    residual = torch.randn(rows, n, generator=gen, device=DEV).to(dtype)
+    out, new_residual = fused.rms_norm_split_k(partials, layer.weight, layer.eps, residual)
+    projected = torch.nn.functional.linear(x, weight)
+    ref_out, ref_residual = layer(projected, residual)
+    # Both round an fp32 sum of the same products to the model dtype: at most one ulp apart, then the norm.
+    assert_ulps(new_residual, ref_residual, 2, of_largest=True)
+    assert_ulps(out, ref_out, 4, of_largest=True)
 
 
 def test_switch(monkeypatch):

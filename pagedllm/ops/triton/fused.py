@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import _host
 from .cache import store_quantized
+from .linear import split_k_linear, split_k_supported  # noqa: F401  (the layers' decode GEMM, same switch)
 from .paged_tile import cache_offsets, load_scale
 
 
@@ -25,12 +26,20 @@ def _rms_scale(x, w, rstd):
 
 
 @triton.jit
-def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, stride_x, stride_r,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, stride_x, stride_r, stride_part,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    if PARTS:
+        # x holds a projection's split-K partial sums (linear.split_k_linear): summed in a fixed order and
+        # rounded to the model dtype, as F.linear would have returned it.
+        acc = tl.zeros([BLOCK], tl.float32)
+        for p in tl.static_range(PARTS):
+            acc += tl.load(x + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+        h = acc.to(residual.dtype.element_ty)
+    else:
+        h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         h += tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
         tl.store(residual_out + row * N + cols, h, mask=mask)
@@ -40,24 +49,36 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, stride_x, stri
     tl.store(out + row * N + cols, _rms_scale(h, w, rstd), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm over the last dim: norm(x), or with residual (norm(x + residual), x + residual) in new
-    tensors. Rows may be strided; each row must be contiguous."""
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _rms_norm(rows, weight, eps, residual, parts, stride_part, out_shape, out_dtype):
+    n = rows.shape[-1]
+    out = torch.empty(out_shape, dtype=out_dtype, device=rows.device)
     block = triton.next_power_of_2(n)
     # One program per row; wider rows get more warps so each thread keeps ~8-16 values in registers.
-    launch = dict(N=n, BLOCK=block, num_warps=min(max(block // 256, 1), 16), enable_fp_fusion=False)
+    launch = dict(N=n, BLOCK=block, PARTS=parts, num_warps=min(max(block // 256, 1), 16), enable_fp_fusion=False)
     if residual is None:
-        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, eps, rows.stride(0), 0,
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, eps, rows.stride(0), 0, stride_part,
                                            HAS_RESIDUAL=False, **launch)
         return out
     res = residual.reshape(-1, n)
     res_out = torch.empty_like(out)
     _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, res_out, eps, rows.stride(0), res.stride(0),
-                                       HAS_RESIDUAL=True, **launch)
+                                       stride_part, HAS_RESIDUAL=True, **launch)
     return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim: norm(x), or with residual (norm(x + residual), x + residual) in new
+    tensors. Rows may be strided; each row must be contiguous."""
+    return _rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, residual, 0, 0, x.shape, x.dtype)
+
+
+def rms_norm_split_k(partials: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor):
+    """rms_norm(x, weight, eps, residual) where x is given as float32 split-K partial sums [parts, rows, N]
+    (linear.split_k_linear), x = their sum rounded to the residual's dtype; x itself is never written."""
+    parts, m, n = partials.shape
+    if residual.shape[-1] != n or residual.numel() != m * n:
+        raise ValueError(f"rms_norm_split_k: partials of {m} x {n} but a residual of {tuple(residual.shape)}")
+    return _rms_norm(partials[0], weight, eps, residual, parts, partials.stride(0), residual.shape, residual.dtype)
 
 
 @triton.jit

@@ -1,0 +1,77 @@
+"""x W^T as split-K partial sums, for the projections of a decode step whose output only feeds the residual
+stream (o_proj, down_proj): the residual RMSNorm that consumes them sums the partials (fused.rms_norm_split_k).
+
+These projections have narrow outputs and long inputs (Qwen3-0.6B: N = 1024, K = 2048 / 3072), so cuBLAS
+covers the H100 with 16 output tiles and reads their 4-6 MB of weights at 0.7-0.9 TB/s (5.8 / 6.8 us at
+one row, benchmarks/gemm_probe.py). Here K is split so that every SM streams a share of the weight, the
+weight tile is the MMA's M operand (swap-AB: the 1-64 rows of x are its N, so a batch of 1 wastes no MMA
+rows) and arrives by TMA. Each program stores its float32 partial; summing them in the norm kernel, in a
+fixed order, keeps the result deterministic without a reduce kernel or a semaphore (a last-program reduce
+inside this kernel cost ~1.5 us of tail, most of the gain).
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# Where it wins on the H100 (benchmarks/gemm_probe.py, each projection with its residual norm): up to 64 rows,
+# on outputs of at most 32 weight tiles (2048 features), which cuBLAS spreads over too few SMs; Qwen3-0.6B's
+# o + down went from 6.9 + 8.3 to 5.5 + 6.8 us at one row, 7.7 + 8.8 to 7.2 + 7.8 at 64, and were no faster at
+# 128. Llama 3 8B's 4096-wide outputs already cover the GPU: within +-5% of cuBLAS, so they keep it.
+MAX_ROWS = 64
+MAX_OUTPUT_TILES = 32
+
+
+@triton.jit
+def _split_k_kernel(x, w_desc, partials, M, N, k_per, stride_xm,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BK)
+    k0 = pid_k * k_per
+    acc = tl.zeros((BN, BM), tl.float32)
+    for k in tl.range(k0, k0 + k_per, BK, num_stages=STAGES):
+        w = w_desc.load([pid_n * BN, k])
+        xt = tl.load(x + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=m_ok[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc)
+    tl.store(partials + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], tl.trans(acc), mask=m_ok[:, None])
+
+
+def _config(m: int, n: int, k: int):
+    """(BM, BN, BK, SPLIT, num_stages): split K until about one program per SM of the H100."""
+    bm = max(16, triton.next_power_of_2(m))
+    bn, bk = 64, 128
+    tiles = n // bn * triton.cdiv(m, bm)
+    split = 1
+    while split < 8 and tiles * split < 128 and k % (bk * split * 2) == 0:
+        split *= 2
+    return bm, bn, bk, split, 4
+
+
+def split_k_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the layers should take `split_k_linear` for F.linear(x, weight, bias): 16-bit, no bias, a
+    weight TMA can tile, and a shape where it beats cuBLAS (MAX_ROWS, MAX_OUTPUT_TILES)."""
+    n, k = weight.shape
+    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bias is None
+            and x.numel() // k <= MAX_ROWS and n % 64 == 0 and n // 64 <= MAX_OUTPUT_TILES and k % 128 == 0
+            and weight.stride(1) == 1 and x.stride(-1) == 1)
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+    """x [..., K] (rows may be strided), weight [N, K] -> float32 partials [SPLIT, rows, N] whose sum over
+    dim 0 is x W^T. config: (BM, BN, BK, SPLIT, num_stages) instead of `_config`'s (the probe's sweep)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    bm, bn, bk, split, stages = config or _config(m, n, k)
+    if n % bn or k % (bk * split):
+        raise ValueError(f"split_k_linear: config {(bm, bn, bk, split)} does not tile N={n}, K={k}")
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
+    _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, partials, m, n, k // split, rows.stride(0),
+                                                          BM=bm, BN=bn, BK=bk, STAGES=stages, num_warps=4)
+    return partials
