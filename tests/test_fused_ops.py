@@ -192,24 +192,31 @@ def test_rope_and_cache_equals_rope_then_cache_write(layout, dtype, kv_cache_dty
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("rows,n,k,config", [
     (1, 128, 1024, None),  # the tuned choice: K split 8 ways
     (5, 192, 256, (16, 64, 128, 2, 2)),
     (37, 64, 384, (16, 64, 128, 1, 2)),  # three row tiles, the last ragged; no split
     (64, 128, 512, (64, 128, 256, 2, 2)),
 ])
-def test_split_k_linear_sums_to_the_product(rows, n, k, config):
+def test_split_k_linear_sums_to_the_product(rows, n, k, config, gated):
+    """Partials that sum to x W^T; gated, to silu_and_mul(x) W^T with the activation rounded as the fused
+    kernel rounds it (so the sums agree to float32 reordering)."""
     from pagedllm.ops.triton import linear as ops
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, k + 8, generator=gen).half()[:, 8:]  # strided rows
+    width = 2 * k if gated else k
+    x = torch.randn(rows, width + 8, generator=gen).half()[:, 8:]  # strided rows
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).half()
-    assert ops.split_k_supported(x, w, None)
-    partials = ops.split_k_linear(x, w, config)
+    assert ops.split_k_supported(x, w, None, gated) and not ops.split_k_supported(x, w, None, not gated)
+    partials = ops.split_k_linear(x, w, config, gated=gated)
     split = (config or ops._config(rows, n, k))[3]
     assert partials.shape == (split, rows, n) and partials.dtype == torch.float32
-    torch.testing.assert_close(partials.sum(0), x.float() @ w.float().T, rtol=1e-4, atol=1e-4)
+    act = _fused().silu_and_mul(x) if gated else x
+    torch.testing.assert_close(partials.sum(0), act.float() @ w.float().T, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="does not tile"):
-        ops.split_k_linear(x, w, (16, 64, 256, 4, 2) if k % 1024 else (16, 96, 128, 1, 2))
+        ops.split_k_linear(x, w, (16, 64, 256, 4, 2) if k % 1024 else (16, 96, 128, 1, 2), gated=gated)
+    with pytest.raises(ValueError, match="features for a weight"):
+        ops.split_k_linear(x, w, gated=not gated)
 
 
 def test_split_k_supported_shapes():
@@ -242,7 +249,8 @@ def test_rms_norm_split_k_is_rms_norm_of_the_sum(parts):
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
     """The layers' wiring: a Qwen3 (per-head q/k norm, 80-dim heads, in-place RoPE on the qkv output; in
-    fp16 down_proj's output as split-K partials into the next residual norm; o_proj's K of 240 does not tile
+    fp16 down_proj as a split-K GEMM of gate_up's output, SiLU-and-mul applied as it loads it, its partials
+    summed by the next residual norm; o_proj's K of 240 does not tile
     for it) gives the same logits through the kernels as through the PyTorch code."""
     config = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=1, head_dim=80, max_position_embeddings=256,
@@ -258,9 +266,10 @@ def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
     for module in (norm, activation, rotary, linear):  # route CPU tensors through the kernels, as CUDA ones are
         monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
     split_k = []
-    monkeypatch.setattr(_fused(), "split_k_linear", lambda *a, f=_fused().split_k_linear: split_k.append(1) or f(*a))
+    monkeypatch.setattr(_fused(), "split_k_linear",
+                        lambda *a, f=_fused().split_k_linear, **kw: split_k.append(kw) or f(*a, **kw))
     fused = prefill_logits(model, ids)
-    assert len(split_k) == (0 if dtype == torch.float32 else 2)  # down_proj of each layer
+    assert split_k == ([] if dtype == torch.float32 else [{"gated": True}] * 2)  # each layer's down_proj
     err = (fused - reference).abs().max() / reference.abs().max()
     assert err < rel, f"max error {err:.2e} relative to the largest logit"
 

@@ -213,17 +213,22 @@ def test_kernels_replay_in_a_cuda_graph():
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 64])
-# o_proj, down_proj of Qwen3-0.6B and of Llama 3 8B
-@pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (4096, 4096), (4096, 14336)])
+# o_proj (not gated) and down_proj (gated: SiLU-and-mul of gate_up's output) of Qwen3-0.6B and Llama 3 8B
+@pytest.mark.parametrize("n,k,gated", [(1024, 2048, False), (1024, 3072, True), (4096, 4096, False),
+                                       (4096, 14336, True)])
 @torch.inference_mode()
-def test_split_k_projection_into_the_residual_norm(dtype, rows, n, k, unfused):
-    """o_proj / down_proj on the fused path: split-K partials that sum to x W^T, and the residual RMSNorm
-    that consumes them equals the layers' PyTorch code given cuBLAS's projection (up to its rounding)."""
+def test_split_k_projection_into_the_residual_norm(dtype, rows, n, k, gated, unfused):
+    """o_proj / down_proj on the fused path: split-K partials that sum to x W^T (down_proj: of SiLU-and-mul
+    of x, applied in the GEMM), and the residual RMSNorm that consumes them equals the layers' PyTorch code
+    given cuBLAS's projection (up to its rounding)."""
     gen = torch.Generator(device=DEV).manual_seed(rows)
-    x = torch.randn(rows, k + 64, generator=gen, device=DEV).to(dtype)[:, 64:]  # strided rows, as views are
+    width = 2 * k if gated else k
+    x = (2 * torch.randn(rows, width + 64, generator=gen, device=DEV)).to(dtype)[:, 64:]  # strided rows
     weight = (torch.randn(n, k, generator=gen, device=DEV) / k ** 0.5).to(dtype)
-    assert fused.split_k_supported(x, weight, None) == (n <= 2048)  # Llama's 4096 outputs keep cuBLAS
-    partials = fused.split_k_linear(x, weight)
+    assert fused.split_k_supported(x, weight, None, gated) == (n <= 2048)  # Llama's 4096 outputs keep cuBLAS
+    partials = fused.split_k_linear(x, weight, gated=gated)
+    if gated:
+        x = SiluAndMul()(x)  # the layers' PyTorch code: what the GEMM's loads must have computed
     exact = x.double() @ weight.double().T
     assert (partials.sum(0).double() - exact).abs().max() < 1e-4 * exact.abs().max()
 

@@ -7,7 +7,8 @@ one row, benchmarks/gemm_probe.py). Here K is split so that every SM streams a s
 weight tile is the MMA's M operand (swap-AB: the 1-64 rows of x are its N, so a batch of 1 wastes no MMA
 rows) and arrives by TMA. Each program stores its float32 partial; summing them in the norm kernel, in a
 fixed order, keeps the result deterministic without a reduce kernel or a semaphore (a last-program reduce
-inside this kernel cost ~1.5 us of tail, most of the gain).
+inside this kernel cost ~1.5 us of tail, most of the gain). For down_proj the MLP's SiLU-and-mul is applied
+as x is loaded (`gated`), so that kernel goes too.
 """
 import torch
 import triton
@@ -23,8 +24,8 @@ MAX_OUTPUT_TILES = 32
 
 
 @triton.jit
-def _split_k_kernel(x, w_desc, partials, M, N, k_per, stride_xm,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -36,7 +37,13 @@ def _split_k_kernel(x, w_desc, partials, M, N, k_per, stride_xm,
     acc = tl.zeros((BN, BM), tl.float32)
     for k in tl.range(k0, k0 + k_per, BK, num_stages=STAGES):
         w = w_desc.load([pid_n * BN, k])
-        xt = tl.load(x + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=m_ok[None, :], other=0.0)
+        x_ptr = x + offs_m[None, :] * stride_xm + (k + offs_k)[:, None]
+        if GATED:  # x = [gate | up]; rounded as fused.silu_and_mul rounds
+            gate = tl.load(x_ptr, mask=m_ok[None, :], other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K, mask=m_ok[None, :], other=0.0)
+            xt = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+        else:
+            xt = tl.load(x_ptr, mask=m_ok[None, :], other=0.0)
         acc = tl.dot(w, xt, acc)
     tl.store(partials + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], tl.trans(acc), mask=m_ok[:, None])
 
@@ -52,26 +59,33 @@ def _config(m: int, n: int, k: int):
     return bm, bn, bk, split, 4
 
 
-def split_k_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the layers should take `split_k_linear` for F.linear(x, weight, bias): 16-bit, no bias, a
-    weight TMA can tile, and a shape where it beats cuBLAS (MAX_ROWS, MAX_OUTPUT_TILES)."""
+def split_k_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      gated: bool = False) -> bool:
+    """Whether the layers should take `split_k_linear` for F.linear(x, weight, bias) (gated: of
+    silu_and_mul(x)): 16-bit, no bias, a weight TMA can tile, and a shape where it beats cuBLAS (MAX_ROWS,
+    MAX_OUTPUT_TILES)."""
     n, k = weight.shape
+    k_x = 2 * k if gated else k
     return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bias is None
-            and x.numel() // k <= MAX_ROWS and n % 64 == 0 and n // 64 <= MAX_OUTPUT_TILES and k % 128 == 0
+            and x.shape[-1] == k_x and x.numel() // k_x <= MAX_ROWS and n % 64 == 0 and n // 64 <= MAX_OUTPUT_TILES and k % 128 == 0
             and weight.stride(1) == 1 and x.stride(-1) == 1)
 
 
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None, gated: bool = False) -> torch.Tensor:
     """x [..., K] (rows may be strided), weight [N, K] -> float32 partials [SPLIT, rows, N] whose sum over
-    dim 0 is x W^T. config: (BM, BN, BK, SPLIT, num_stages) instead of `_config`'s (the probe's sweep)."""
+    dim 0 is x W^T. gated: x is [..., 2K] = [gate | up] and the product is of silu(gate) * up.
+    config: (BM, BN, BK, SPLIT, num_stages) instead of `_config`'s (the probe's sweep)."""
     n, k = weight.shape
-    rows = x.reshape(-1, k)
+    if x.shape[-1] != (2 * k if gated else k):
+        raise ValueError(f"split_k_linear: x has {x.shape[-1]} features for a weight of {k} inputs (gated={gated})")
+    rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
     bm, bn, bk, split, stages = config or _config(m, n, k)
     if n % bn or k % (bk * split):
         raise ValueError(f"split_k_linear: config {(bm, bn, bk, split)} does not tile N={n}, K={k}")
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
-    _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, partials, m, n, k // split, rows.stride(0),
-                                                          BM=bm, BN=bn, BK=bk, STAGES=stages, num_warps=4)
+    _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, partials, m, n, k, k // split, rows.stride(0),
+                                                          BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated,
+                                                          num_warps=4, enable_fp_fusion=False)
     return partials
