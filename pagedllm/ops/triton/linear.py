@@ -2,13 +2,13 @@
 stream (o_proj, down_proj): the residual RMSNorm that consumes them sums the partials (fused.rms_norm_split_k).
 
 These projections have narrow outputs and long inputs (Qwen3-0.6B: N = 1024, K = 2048 / 3072), so cuBLAS
-covers the H100 with 16 output tiles and reads their 4-6 MB of weights at 0.7-0.9 TB/s (5.8 / 6.8 us at
-one row, benchmarks/gemm_probe.py). Here K is split so that every SM streams a share of the weight, the
-weight tile is the MMA's M operand (swap-AB: the 1-64 rows of x are its N, so a batch of 1 wastes no MMA
-rows) and arrives by TMA. Each program stores its float32 partial; summing them in the norm kernel, in a
-fixed order, keeps the result deterministic without a reduce kernel or a semaphore (a last-program reduce
-inside this kernel cost ~1.5 us of tail, most of the gain). For down_proj the MLP's SiLU-and-mul is applied
-as x is loaded (`gated`), so that kernel goes too.
+covers the H100 with 16 output tiles and reads their 4-6 MB of weights at 0.7-0.9 TB/s (with the residual
+norm after them 6.9 / 8.3 us at one row, benchmarks/gemm_probe.py). Here K is split so that every SM
+streams a share of the weight, the weight tile is the MMA's M operand (swap-AB: the 1-64 rows of x are its
+N, so a batch of 1 wastes no MMA rows) and arrives by TMA. Each program stores its float32 partial;
+summing them in the norm kernel, in a fixed order, keeps the result deterministic without a reduce kernel
+or a semaphore (a last-program reduce inside this kernel cost ~1.5 us of tail, most of the gain). For
+down_proj the MLP's SiLU-and-mul is applied as x is loaded (`gated`), so that kernel goes too.
 """
 import torch
 import triton
@@ -24,8 +24,8 @@ MAX_OUTPUT_TILES = 32
 
 
 @triton.jit
-def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr):
+def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -67,8 +67,10 @@ def split_k_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     n, k = weight.shape
     k_x = 2 * k if gated else k
     return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bias is None
-            and x.shape[-1] == k_x and x.numel() // k_x <= MAX_ROWS and n % 64 == 0 and n // 64 <= MAX_OUTPUT_TILES and k % 128 == 0
-            and weight.stride(1) == 1 and x.stride(-1) == 1)
+            and x.shape[-1] == k_x and x.numel() // k_x <= MAX_ROWS and x.stride(-1) == 1
+            and n % 64 == 0 and n // 64 <= MAX_OUTPUT_TILES and k % 128 == 0
+            # what a TMA descriptor of the weight needs: unit inner stride, 16-byte rows and base
+            and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0)
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None, gated: bool = False) -> torch.Tensor:
