@@ -1,5 +1,6 @@
 """The decode step's residual projections (o_proj, down_proj) and the RMSNorm that adds them to the residual:
-cuBLAS (torch.nn.functional.linear) + fused.rms_norm against pagedllm's split-K GEMM + fused.rms_norm_split_k
+cuBLAS (torch.nn.functional.linear, after fused.silu_and_mul for down_proj) + fused.rms_norm against
+pagedllm's split-K GEMM (SiLU-and-mul in its loads for down_proj) + fused.rms_norm_split_k
 (`pagedllm.ops.triton.linear`), on Qwen3-0.6B's and Llama-3-8B's shapes, with the weights coming from DRAM
 as in a decode step (each timed pair reads the next of enough weight copies to overflow the L2), in
 CUDA-graph replays. Per (shape, rows): both pairs, the op's own config, and the best of a sweep (the
@@ -18,9 +19,9 @@ import triton
 from pagedllm.ops.triton import fused
 from pagedllm.ops.triton import linear as ops
 
-# name -> (N, K) of the weights [N, K]
-SHAPES = {"qwen3-0.6b o": (1024, 2048), "qwen3-0.6b down": (1024, 3072),
-          "llama3-8b o": (4096, 4096), "llama3-8b down": (4096, 14336)}
+# name -> (N, K, gated) of the weights [N, K]; down_proj is gated: its input is SiLU-and-mul of gate_up's output
+SHAPES = {"qwen3-0.6b o": (1024, 2048, False), "qwen3-0.6b down": (1024, 3072, True),
+          "llama3-8b o": (4096, 4096, False), "llama3-8b down": (4096, 14336, True)}
 LAYERS = 28
 L2_BYTES = 160 << 20  # weight copies per timed graph: comfortably past the H100's 50 MB L2
 
@@ -46,9 +47,9 @@ def graph_us(fn, calls):
 
 def sweep(m, n, k):
     bm = max(16, triton.next_power_of_2(m))
-    for bn, bk, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 4, 6)):
+    for bn, bk, split, stages, warps in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 4, 6), (4, 8)):
         if n % bn == 0 and k % (bk * split) == 0 and stages * (bn + bm) * bk * 2 <= 200 << 10:
-            yield bm, bn, bk, split, stages
+            yield bm, bn, bk, split, stages, warps
 
 
 def main():
@@ -60,27 +61,28 @@ def main():
     rows = []
     for m in args.m:
         step = {"cublas": 0.0, "op": 0.0}
-        for name, (n, k) in SHAPES.items():
+        for name, (n, k, gated) in SHAPES.items():
             copies = max(2, L2_BYTES // (n * k * 2))
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
             norm_w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
-            exact = (x.double() @ ws[0].double().T).float()
+            act = fused.silu_and_mul if gated else (lambda t: t)
+            exact = (act(x).double() @ ws[0].double().T).float()
 
-            def cublas():
+            def cublas():  # the layers without the split-K path: SiLU-and-mul (down_proj), GEMM, norm
                 for w in ws:
-                    fused.rms_norm(torch.nn.functional.linear(x, w), norm_w, 1e-6, residual)
+                    fused.rms_norm(torch.nn.functional.linear(act(x), w), norm_w, 1e-6, residual)
 
             def ours(cfg):
                 for w in ws:
-                    fused.rms_norm_split_k(ops.split_k_linear(x, w, cfg), norm_w, 1e-6, residual)
+                    fused.rms_norm_split_k(ops.split_k_linear(x, w, cfg, gated), norm_w, 1e-6, residual)
 
             t_cublas = graph_us(cublas, copies)
             times = {}
             for cfg in [None, *sweep(m, n, k)]:
                 try:
-                    err = (ops.split_k_linear(x, ws[0], cfg).sum(0) - exact).abs().max().item()
+                    err = (ops.split_k_linear(x, ws[0], cfg, gated).sum(0) - exact).abs().max().item()
                     times[cfg] = graph_us(lambda: ours(cfg), copies)
                 except triton.runtime.errors.OutOfResources:
                     continue

@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagedllm.ops.triton import decode, prefill
+from pagedllm.ops.triton import decode, linear, prefill
 from pagedllm.ops.xattention import estimate, sparse_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -81,6 +81,14 @@ def _decode(split):
     return decode._decode_kernel, types, consts, warps, stages
 
 
+def _split_k(rows, gated):
+    """The residual projections' GEMM at Qwen3-0.6B's down_proj (1024 x 3072), its config for `rows` rows."""
+    bm, bn, bk, _, stages, warps = linear._config(rows, 1024, 3072)
+    types = dict(x="*bf16", w_desc=_desc(bn, bk), partials="*fp32")
+    consts = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated)
+    return linear._split_k_kernel, types, consts, warps, 3  # the loop pipelines itself; 3 is the launch default
+
+
 # name -> kernel spec at its GPU launch config (bf16, head 128, Qwen3-0.6B's 2 query heads per kv head)
 KERNELS = {
     "xattention_sparse_dense": lambda: _sparse(False),
@@ -91,6 +99,8 @@ KERNELS = {
     "prefill_long": lambda: _prefill(16384),
     "decode_single_pass": lambda: _decode(False),
     "decode_split": lambda: _decode(True),
+    "split_k_linear_16_rows_gated": lambda: _split_k(16, True),
+    "split_k_linear_64_rows": lambda: _split_k(64, False),
 }
 
 

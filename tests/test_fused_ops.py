@@ -195,9 +195,9 @@ def test_rope_and_cache_equals_rope_then_cache_write(layout, dtype, kv_cache_dty
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("rows,n,k,config", [
     (1, 128, 1024, None),  # the tuned choice: K split 8 ways
-    (5, 192, 256, (16, 64, 128, 2, 2)),
-    (37, 64, 384, (16, 64, 128, 1, 2)),  # three row tiles, the last ragged; no split
-    (64, 128, 512, (64, 128, 256, 2, 2)),
+    (5, 192, 256, (16, 64, 128, 2, 2, 4)),
+    (37, 64, 384, (16, 64, 128, 1, 2, 4)),  # three row tiles, the last ragged; no split
+    (64, 128, 512, (64, 128, 256, 2, 2, 8)),
 ])
 def test_split_k_linear_sums_to_the_product(rows, n, k, config, gated):
     """Partials that sum to x W^T; gated, to silu_and_mul(x) W^T with the activation rounded as the fused
@@ -207,14 +207,15 @@ def test_split_k_linear_sums_to_the_product(rows, n, k, config, gated):
     width = 2 * k if gated else k
     x = torch.randn(rows, width + 8, generator=gen).half()[:, 8:]  # strided rows
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).half()
-    assert ops.split_k_supported(x, w, None, gated) and not ops.split_k_supported(x, w, None, not gated)
+    assert ops.split_k_supported(x, w, None, gated) == (not gated or rows <= ops.MAX_GATED_ROWS)
+    assert not ops.split_k_supported(x, w, None, not gated)  # x's width says which it is
     partials = ops.split_k_linear(x, w, config, gated=gated)
     split = (config or ops._config(rows, n, k))[3]
     assert partials.shape == (split, rows, n) and partials.dtype == torch.float32
     act = _fused().silu_and_mul(x) if gated else x
     torch.testing.assert_close(partials.sum(0), act.float() @ w.float().T, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="does not tile"):
-        ops.split_k_linear(x, w, (16, 64, 256, 4, 2) if k % 1024 else (16, 96, 128, 1, 2), gated=gated)
+        ops.split_k_linear(x, w, (16, 64, 256, 4, 2, 4) if k % 1024 else (16, 96, 128, 1, 2, 4), gated=gated)
     with pytest.raises(ValueError, match="features for a weight"):
         ops.split_k_linear(x, w, gated=not gated)
 
@@ -229,6 +230,9 @@ def test_split_k_supported_shapes():
     assert not ops.split_k_supported(x, w[:96], None)  # N not a multiple of the 64-row weight tile
     wide = torch.zeros(64 * (ops.MAX_OUTPUT_TILES + 1), 256, dtype=torch.float16)
     assert not ops.split_k_supported(x, wide, None)  # cuBLAS already covers the GPU
+    gate_up = torch.zeros(ops.MAX_GATED_ROWS, 512, dtype=torch.float16)
+    assert ops.split_k_supported(gate_up, w, None, gated=True)
+    assert not ops.split_k_supported(torch.cat([gate_up, gate_up[:1]]), w, None, gated=True)
 
 
 @pytest.mark.parametrize("parts", [1, 4])
@@ -246,11 +250,12 @@ def test_rms_norm_split_k_is_rms_norm_of_the_sum(parts):
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
+@pytest.mark.parametrize("tokens", [9, 37])
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
-def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
+def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel, tokens):
     """The layers' wiring: a Qwen3 (per-head q/k norm, 80-dim heads, in-place RoPE on the qkv output; in
-    fp16 down_proj as a split-K GEMM of gate_up's output, SiLU-and-mul applied as it loads it, its partials
-    summed by the next residual norm; o_proj's K of 240 does not tile
+    fp16 down_proj as a split-K GEMM whose partials the next residual norm sums, SiLU-and-mul applied as it
+    loads gate_up's output for up to 16 rows, by its own kernel for more; o_proj's K of 240 does not tile
     for it) gives the same logits through the kernels as through the PyTorch code."""
     config = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=1, head_dim=80, max_position_embeddings=256,
@@ -261,7 +266,7 @@ def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
-    ids = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 128, (tokens,), generator=torch.Generator().manual_seed(2))
     reference = prefill_logits(model, ids)
     for module in (norm, activation, rotary, linear):  # route CPU tensors through the kernels, as CUDA ones are
         monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
@@ -269,7 +274,8 @@ def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel):
     monkeypatch.setattr(_fused(), "split_k_linear",
                         lambda *a, f=_fused().split_k_linear, **kw: split_k.append(kw) or f(*a, **kw))
     fused = prefill_logits(model, ids)
-    assert split_k == ([] if dtype == torch.float32 else [{"gated": True}] * 2)  # each layer's down_proj
+    gated = [{"gated": True} if tokens <= 16 else {}]
+    assert split_k == ([] if dtype == torch.float32 else gated * 2)  # each layer's down_proj
     err = (fused - reference).abs().max() / reference.abs().max()
     assert err < rel, f"max error {err:.2e} relative to the largest logit"
 

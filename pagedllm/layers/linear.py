@@ -28,10 +28,13 @@ class SplitKSums(NamedTuple):
 class ResidualLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor | SplitKSums:
-        """act: the MLP's SiluAndMul, to apply to x = [gate | up] first; the split-K GEMM applies it as it
-        loads x, so it costs no kernel of its own."""
+        """act: the MLP's SiluAndMul, to apply to x = [gate | up] first; for the fewest rows the split-K GEMM
+        applies it as it loads x, so it costs no kernel of its own."""
         kernels = fused_kernels(x)
-        gated = act is not None
-        if kernels is not None and kernels.split_k_supported(x, self.weight, self.bias, gated):
-            return SplitKSums(kernels.split_k_linear(x, self.weight, gated=gated))
-        return F.linear(act(x) if gated else x, self.weight, self.bias)
+        if kernels is not None and act is not None and kernels.split_k_supported(x, self.weight, self.bias, True):
+            return SplitKSums(kernels.split_k_linear(x, self.weight, gated=True))
+        if act is not None:
+            x = act(x)
+        if kernels is not None and kernels.split_k_supported(x, self.weight, self.bias):
+            return SplitKSums(kernels.split_k_linear(x, self.weight))
+        return F.linear(x, self.weight, self.bias)

@@ -21,6 +21,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # 128. Llama 3 8B's 4096-wide outputs already cover the GPU: within +-5% of cuBLAS, so they keep it.
 MAX_ROWS = 64
 MAX_OUTPUT_TILES = 32
+# SiLU-and-mul in the loads (`gated`) is recomputed by every program of a row tile: up to 16 rows that costs less
+# than the SiLU kernel (down_proj + norm 9.6 -> 8.3 us at one row); at 32 rows it breaks even and at 64 it loses
+# (10.2 -> 12.5 us), so more rows take the SiLU kernel and the plain split-K GEMM.
+MAX_GATED_ROWS = 16
 
 
 @triton.jit
@@ -49,25 +53,28 @@ def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm, BM: tl.const
 
 
 def _config(m: int, n: int, k: int):
-    """(BM, BN, BK, SPLIT, num_stages): split K until about one program per SM of the H100."""
+    """(BM, BN, BK, SPLIT, num_stages, num_warps): split K until about one program per SM of the H100 for up to
+    16 rows, half that beyond (bigger row tiles: split 4 beat 8 at 32 and 64 rows in gemm_probe's sweeps)."""
     bm = max(16, triton.next_power_of_2(m))
     bn, bk = 64, 128
     tiles = n // bn * triton.cdiv(m, bm)
+    programs = 128 if m <= 16 else 64
     split = 1
-    while split < 8 and tiles * split < 128 and k % (bk * split * 2) == 0:
+    while split < 8 and tiles * split < programs and k % (bk * split * 2) == 0:
         split *= 2
-    return bm, bn, bk, split, 4
+    return bm, bn, bk, split, 4, 4
 
 
 def split_k_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       gated: bool = False) -> bool:
     """Whether the layers should take `split_k_linear` for F.linear(x, weight, bias) (gated: of
     silu_and_mul(x)): 16-bit, no bias, a weight TMA can tile, and a shape where it beats cuBLAS (MAX_ROWS,
-    MAX_OUTPUT_TILES)."""
+    MAX_OUTPUT_TILES, MAX_GATED_ROWS)."""
     n, k = weight.shape
     k_x = 2 * k if gated else k
     return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bias is None
-            and x.shape[-1] == k_x and x.numel() // k_x <= MAX_ROWS and x.stride(-1) == 1
+            and x.shape[-1] == k_x and x.numel() // k_x <= (MAX_GATED_ROWS if gated else MAX_ROWS)
+            and x.stride(-1) == 1
             and n % 64 == 0 and n // 64 <= MAX_OUTPUT_TILES and k % 128 == 0
             # what a TMA descriptor of the weight needs: unit inner stride, 16-byte rows and base
             and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0)
@@ -76,18 +83,18 @@ def split_k_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None, gated: bool = False) -> torch.Tensor:
     """x [..., K] (rows may be strided), weight [N, K] -> float32 partials [SPLIT, rows, N] whose sum over
     dim 0 is x W^T. gated: x is [..., 2K] = [gate | up] and the product is of silu(gate) * up.
-    config: (BM, BN, BK, SPLIT, num_stages) instead of `_config`'s (the probe's sweep)."""
+    config: (BM, BN, BK, SPLIT, num_stages, num_warps) instead of `_config`'s (the probe's sweep)."""
     n, k = weight.shape
     if x.shape[-1] != (2 * k if gated else k):
         raise ValueError(f"split_k_linear: x has {x.shape[-1]} features for a weight of {k} inputs (gated={gated})")
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    bm, bn, bk, split, stages = config or _config(m, n, k)
+    bm, bn, bk, split, stages, warps = config or _config(m, n, k)
     if n % bn or k % (bk * split):
         raise ValueError(f"split_k_linear: config {(bm, bn, bk, split)} does not tile N={n}, K={k}")
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
     _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, partials, m, n, k, k // split, rows.stride(0),
                                                           BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated,
-                                                          num_warps=4, enable_fp_fusion=False)
+                                                          num_warps=warps, enable_fp_fusion=False)
     return partials
