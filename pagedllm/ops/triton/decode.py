@@ -12,7 +12,7 @@ import triton.language as tl
 from pagedllm.ops.reference import PARTITION_SIZE  # v2 partitions; the v2 workspace shapes depend on it
 
 from . import _host
-from .paged_tile import LN2, LOG2E, attend_tile, load_scale
+from .paged_tile import LN2, LOG2E, attend_range, load_scale
 
 # Split-K choice, from benchmarks/triton_tuning.py on the H100 ("hnd" cache, bf16, head 128, tile 64/2 warps):
 # (sequence, kv head) programs alone fill the GPU from 2 per SM; below that, splitting toward 4 per SM pays.
@@ -91,20 +91,12 @@ def _decode_kernel(
     masked_from = start + (end - start) // BLOCK_N * BLOCK_N
     if SPARSE:
         masked_from = start
-    for start_n in range(start, masked_from, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
-            k_cache, v_cache, block_table, kv_head,
-            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
-            sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, False, SPARSE, ALIBI, DOT_PREC)
-    for start_n in range(masked_from, end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
-            k_cache, v_cache, block_table, kv_head,
-            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
-            sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, True, SPARSE, ALIBI, DOT_PREC)
+    m_i, l_i, acc = attend_range(
+        q, m_i, l_i, acc, start, masked_from, end, seq_len, q_pos, alibi, qk_scale,
+        k_cache, v_cache, block_table, kv_head,
+        stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+        sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, SPARSE, ALIBI, DOT_PREC)
 
     o = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     mask = row_ok[:, None] & d_ok[None, :]

@@ -20,7 +20,7 @@ from .paged_tile import cache_offsets, load_scale
 
 
 @triton.jit
-def _rms_scale(x, w, rstd):
+def rms_scale(x, w, rstd):
     # Normalised value rounded to the model dtype before the weight multiply, as HF Llama does.
     return w * (x.to(tl.float32) * rstd).to(x.dtype)
 
@@ -46,7 +46,7 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, stride_x, stri
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
     w = tl.load(weight + cols, mask=mask)
-    tl.store(out + row * N + cols, _rms_scale(h, w, rstd), mask=mask)
+    tl.store(out + row * N + cols, rms_scale(h, w, rstd), mask=mask)
 
 
 def _rms_norm(rows, weight, eps, residual, parts, stride_part, out_shape, out_dtype):
@@ -105,7 +105,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotated_heads(x, w, eps, cos, sin, h, d, mask, HALF: tl.constexpr, NORM: tl.constexpr):
+def rotated_heads(x, w, eps, cos, sin, h, d, mask, HALF: tl.constexpr, NORM: tl.constexpr):
     """The heads h at x (one token, contiguous heads of 2 * HALF) rotated neox style, the first half of each
     head paired with the second: (first halves, second halves) at channels d and d + HALF. NORM: RMSNorm
     each head with weight w first."""
@@ -117,9 +117,27 @@ def _rotated_heads(x, w, eps, cos, sin, h, d, mask, HALF: tl.constexpr, NORM: tl
         x2f = x2.to(tl.float32)
         sum_sq = tl.sum(x1f * x1f, axis=1, keep_dims=True) + tl.sum(x2f * x2f, axis=1, keep_dims=True)
         rstd = tl.rsqrt(sum_sq / (2 * HALF) + eps)
-        x1 = _rms_scale(x1, tl.load(w + d, mask=d < HALF), rstd)
-        x2 = _rms_scale(x2, tl.load(w + HALF + d, mask=d < HALF), rstd)
+        x1 = rms_scale(x1, tl.load(w + d, mask=d < HALF), rstd)
+        x2 = rms_scale(x2, tl.load(w + HALF + d, mask=d < HALF), rstd)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def store_token_kv(key_cache, value_cache, slot, k1, k2, v1, v2, h, d, mask, k_scale, v_scale,
+                   stride_kcb, stride_kch, stride_kc2, stride_vcb, stride_vch, stride_vc2,
+                   HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+                   FP8: tl.constexpr):
+    """One token's k and v of kv heads h (as halves at channels d and d + HALF) into its cache slot."""
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    k_off = cache_offsets(block, offset, d, h, stride_kcb, stride_kch, stride_kc2, X, LAYOUT, True)
+    k_off2 = cache_offsets(block, offset, d + HALF, h, stride_kcb, stride_kch, stride_kc2, X, LAYOUT, True)
+    v_off = cache_offsets(block, offset, d, h, stride_vcb, stride_vch, stride_vc2, X, LAYOUT, False)
+    v_off2 = cache_offsets(block, offset, d + HALF, h, stride_vcb, stride_vch, stride_vc2, X, LAYOUT, False)
+    store_quantized(key_cache + k_off, k1, k_scale, mask, FP8)
+    store_quantized(key_cache + k_off2, k2, k_scale, mask, FP8)
+    store_quantized(value_cache + v_off, v1, v_scale, mask, FP8)
+    store_quantized(value_cache + v_off2, v2, v_scale, mask, FP8)
 
 
 @triton.jit
@@ -142,14 +160,14 @@ def _rope_kernel(q, q_out, k, v, positions, cos_sin_cache, q_weight, k_weight, e
     sin = tl.load(row + HALF, mask=d < HALF).to(q.dtype.element_ty)
     hq = tl.arange(0, Q_HEADS_PAD)[:, None]
     q_mask = (hq < Q_HEADS) & (d < HALF)
-    q1, q2 = _rotated_heads(q + token * stride_q, q_weight, eps, cos, sin, hq, d, q_mask, HALF, NORM)
+    q1, q2 = rotated_heads(q + token * stride_q, q_weight, eps, cos, sin, hq, d, q_mask, HALF, NORM)
     q_ptr = q_out + token * stride_qo + hq * (2 * HALF) + d
     tl.store(q_ptr, q1, mask=q_mask)
     tl.store(q_ptr + HALF, q2, mask=q_mask)
     hk = tl.arange(0, K_HEADS_PAD)[:, None]
     k_mask = (hk < K_HEADS) & (d < HALF)
     if not CACHE:
-        k1, k2 = _rotated_heads(k + token * stride_k, k_weight, eps, cos, sin, hk, d, k_mask, HALF, NORM)
+        k1, k2 = rotated_heads(k + token * stride_k, k_weight, eps, cos, sin, hk, d, k_mask, HALF, NORM)
         k_ptr = k + token * stride_k + hk * (2 * HALF) + d
         tl.store(k_ptr, k1, mask=k_mask)
         tl.store(k_ptr + HALF, k2, mask=k_mask)
@@ -157,7 +175,7 @@ def _rope_kernel(q, q_out, k, v, positions, cos_sin_cache, q_weight, k_weight, e
         # Tokens past the slot mapping, and slots of -1, are padding: nothing goes into the cache.
         slot = tl.load(slot_mapping + token, mask=token < num_slots, other=-1).to(tl.int64)
         if slot >= 0:
-            k1, k2 = _rotated_heads(k + token * stride_k, k_weight, eps, cos, sin, hk, d, k_mask, HALF, NORM)
+            k1, k2 = rotated_heads(k + token * stride_k, k_weight, eps, cos, sin, hk, d, k_mask, HALF, NORM)
             v_ptr = v + token * stride_v + hk * (2 * HALF) + d
             v1 = tl.load(v_ptr, mask=k_mask)
             v2 = tl.load(v_ptr + HALF, mask=k_mask)
@@ -166,16 +184,9 @@ def _rope_kernel(q, q_out, k, v, positions, cos_sin_cache, q_weight, k_weight, e
             if FP8 != 0:
                 k_scale_val = load_scale(k_scale, SCALE_PTR)
                 v_scale_val = load_scale(v_scale, SCALE_PTR)
-            block = slot // BLOCK_SIZE
-            offset = slot % BLOCK_SIZE
-            k_off = cache_offsets(block, offset, d, hk, stride_kcb, stride_kch, stride_kc2, X, LAYOUT, True)
-            k_off2 = cache_offsets(block, offset, d + HALF, hk, stride_kcb, stride_kch, stride_kc2, X, LAYOUT, True)
-            v_off = cache_offsets(block, offset, d, hk, stride_vcb, stride_vch, stride_vc2, X, LAYOUT, False)
-            v_off2 = cache_offsets(block, offset, d + HALF, hk, stride_vcb, stride_vch, stride_vc2, X, LAYOUT, False)
-            store_quantized(key_cache + k_off, k1, k_scale_val, k_mask, FP8)
-            store_quantized(key_cache + k_off2, k2, k_scale_val, k_mask, FP8)
-            store_quantized(value_cache + v_off, v1, v_scale_val, k_mask, FP8)
-            store_quantized(value_cache + v_off2, v2, v_scale_val, k_mask, FP8)
+            store_token_kv(key_cache, value_cache, slot, k1, k2, v1, v2, hk, d, k_mask, k_scale_val, v_scale_val,
+                           stride_kcb, stride_kch, stride_kc2, stride_vcb, stride_vch, stride_vc2,
+                           HALF, BLOCK_SIZE, X, LAYOUT, FP8)
 
 
 def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None, q_out=None):

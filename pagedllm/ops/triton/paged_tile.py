@@ -124,3 +124,32 @@ def attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_range(
+    q, m_i, l_i, acc, start, masked_from, end, seq_len, q_pos, alibi, qk_scale,
+    k_cache, v_cache, block_table, kv_head,
+    stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+    sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    X: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, ALIBI: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """`attend_tile` over the keys start..end in BLOCK_N tiles: those before masked_from (a tile boundary the
+    caller knows every row sees in full) without masks, the rest masked."""
+    for start_n in range(start, masked_from, BLOCK_N):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
+            k_cache, v_cache, block_table, kv_head,
+            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+            sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, False, SPARSE, ALIBI, DOT_PREC)
+    for start_n in range(masked_from, end, BLOCK_N):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
+            k_cache, v_cache, block_table, kv_head,
+            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+            sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, True, SPARSE, ALIBI, DOT_PREC)
+    return m_i, l_i, acc

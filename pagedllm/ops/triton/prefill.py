@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import _host
-from .paged_tile import LOG2E, attend_tile, load_scale
+from .paged_tile import LOG2E, attend_range, load_scale
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width changes per step (see decode.py)
@@ -64,20 +64,12 @@ def _prefill_kernel(
     end = tl.minimum(seq_len, context + tl.minimum((tile + 1) * TOKENS, q_len))
     # Keys at or before the tile's first query are visible to every row: those tiles skip masking.
     masked_from = (first_pos + 1) // BLOCK_N * BLOCK_N
-    for start_n in range(0, masked_from, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
-            k_cache, v_cache, block_table, kv_head,
-            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
-            no_sparse, 0, 0, 1, 1,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, False, False, ALIBI, DOT_PREC)
-    for start_n in range(masked_from, end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, start_n, seq_len, q_pos, alibi, qk_scale,
-            k_cache, v_cache, block_table, kv_head,
-            stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
-            no_sparse, 0, 0, 1, 1,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, True, False, ALIBI, DOT_PREC)
+    m_i, l_i, acc = attend_range(
+        q, m_i, l_i, acc, 0, masked_from, end, seq_len, q_pos, alibi, qk_scale,
+        k_cache, v_cache, block_table, kv_head,
+        stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+        no_sparse, 0, 0, 1, 1,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, FP8, False, ALIBI, DOT_PREC)
 
     o = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
