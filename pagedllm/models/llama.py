@@ -16,6 +16,7 @@ from pagedllm.layers.attention import Attention, Rope
 from pagedllm.layers.linear import ResidualLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_config
+from pagedllm.models.fused_decode import fused_decode
 
 
 class MergedLinear(nn.Linear):
@@ -108,8 +109,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        decode = fused_decode(self, input_ids)
+        if decode is not None:  # a decode step of one sequence: one kernel per layer
+            hidden, residual = decode(hidden, positions)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -48,7 +48,8 @@ def prompts(vocab):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def ours(path, **options):
+def ours(path, prompt_ids=None, **options):
+    """Our greedy tokens for prompt_ids (default: prompts()) with these engine options."""
     from pagedllm import LLM, SamplingParams
     llm = LLM(str(path), device="cuda", num_kv_blocks=2048, max_model_len=4096, max_num_seqs=8, **options)
     runner = llm.engine.runner
@@ -56,7 +57,7 @@ def ours(path, **options):
     assert (runner.decode_graphs is not None, runner.piecewise_graphs is not None) == (full, piecewise)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     vocab = llm.engine.hf_config.vocab_size
-    outs = llm.generate(prompts(vocab), params, use_tqdm=False)
+    outs = llm.generate(prompt_ids or prompts(vocab), params, use_tqdm=False)
     assert llm.engine.kv_cache_manager.usage == 0.0
     return [o.outputs[0].token_ids for o in outs]
 

@@ -1,0 +1,378 @@
+"""A whole Llama-family decoder layer in one launch, for decode steps of one sequence.
+
+At batch 1 a layer ran as ~9 kernels (norm, qkv, RoPE + cache write, attention, its reduce, o_proj, norm,
+gate_up, down), each streaming a few MB of weights and each paying a launch gap, a ramp to full bandwidth and
+a tail: Qwen3-0.6B spent ~40 us a layer where reading its 31 MB of weights takes ~10 (benchmarks/results/
+README.md, decode step latency). Here one launch of NUM_PROGRAMS programs (at most one per SM, so all are
+resident at once) runs the layer as five phases with a grid barrier between each two:
+
+  A  residual add + RMSNorm, qkv projection
+  B  q/k RMSNorm + RoPE, the new token's K/V into the cache, attention split over the context; the last
+     partition of a kv head to finish merges that head's partitions
+  C  o_proj
+  D  residual add + RMSNorm, gate_up projection, SiLU-and-mul
+  E  down_proj, whose output and the residual are the next layer's input
+
+Each projection is a GEMV whose row tiles are dealt out to every program; a program loads its first tile of
+the next projection before it waits at a barrier, so the wait overlaps the weight stream. The values are
+rounded to the model dtype where the layers' fused path holds them in a tensor of that dtype (normalised
+input, q/k/v, attention output, each projection's output, residual), so the two paths agree to the
+accumulation order of the GEMVs.
+
+PHASE >= 0 runs only that phase and no barrier: the Triton interpreter runs programs one after another,
+where a grid barrier would wait forever, so the CPU tests launch the five phases in turn.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _host
+from .fused import rms_scale, rotated_heads, store_token_kv
+from .paged_tile import LOG2E, attend_range
+
+PHASES = 5
+NUM_WARPS = 16
+# A program's whole share of a projection's weights, requested at once (before the barrier it then waits at):
+# up to 64 registers a thread at 16 warps. Qwen3-0.6B's largest share is gate_up's 96 KB (128 KB padded).
+SLICE_BYTES = 131072
+# Larger shares stream in slices of this size, the next one in flight while the current one is used.
+STEP_BYTES = 32768
+MAX_PROGRAMS = 128
+BLOCK_N = 64  # keys per attention tile
+
+
+@triton.jit
+def _grid_sync(barrier, target):
+    """Wait until the step's barrier counter reaches target. Every program adds one per barrier and the counter
+    only grows within a step, so no program can miss a barrier's release. The CTA barriers order all threads'
+    stores before the release and every later load after the acquire (cooperative groups' grid sync)."""
+    tl.debug_barrier()
+    tl.atomic_add(barrier, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(barrier, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(barrier, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _weight_slice(w, block, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
+                  PAIRS: tl.constexpr):
+    """Rows block * RPP ... of w [n_rows (x PAIRS), K] as [PAIRS, RPP, K_PAD]; rows from row_limit on are not
+    loaded (0: none). PAIRS 2: gate rows r and the up rows n_rows + r beside them."""
+    rows = block * RPP + tl.arange(0, RPP)
+    cols = tl.arange(0, K_PAD)
+    r = tl.arange(0, PAIRS)[:, None, None] * n_rows + rows[None, :, None]
+    return tl.load(w + r.to(tl.int64) * K + cols[None, None, :],
+                   mask=(rows < row_limit)[None, :, None] & (cols < K)[None, None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_rows(wt, x, block, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[rows of the slice] = wt x; PAIRS 2: silu(gate) * up, gate and up rounded as the layers round them."""
+    acc = tl.sum(wt.to(tl.float32) * x.to(tl.float32)[None, None, :], axis=2)
+    rows = block * RPP + tl.arange(0, RPP)
+    ok = rows < n_rows
+    if PAIRS == 2:  # rounded as F.linear's output, then as fused.silu_and_mul rounds
+        half = tl.arange(0, PAIRS)[:, None]
+        gate = tl.sum(tl.where(half == 0, acc, 0.0), axis=0).to(out.dtype.element_ty).to(tl.float32)
+        up = tl.sum(tl.where(half == 1, acc, 0.0), axis=0).to(out.dtype.element_ty)
+        val = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+    else:
+        val = tl.sum(acc, axis=0)
+        if HAS_BIAS:
+            val += tl.load(bias + rows, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + rows, val, mask=ok)
+
+
+@triton.jit
+def _gemv(w, first, pid, n_rows, x, out, bias, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
+          STEPS: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out = x W^T on this program's STEPS * RPP rows, `first` being its first slice (already loaded); with
+    several steps each loads the next slice before using the current one."""
+    if STEPS == 1:
+        _gemv_rows(first, x, pid, n_rows, out, bias, RPP, PAIRS, HAS_BIAS)
+    else:
+        wt = first
+        for s in range(STEPS):
+            block = pid * STEPS + s
+            nxt = _weight_slice(w, block + 1, n_rows, tl.where(s + 1 < STEPS, n_rows, 0), K, K_PAD, RPP, PAIRS)
+            _gemv_rows(wt, x, block, n_rows, out, bias, RPP, PAIRS, HAS_BIAS)
+            wt = nxt
+
+
+@triton.jit
+def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr):
+    """(h = x + res, RMSNorm(h)) of the hidden row, rounded as fused.rms_norm rounds (x first to res's dtype)."""
+    cols = tl.arange(0, D_PAD)
+    ok = cols < D
+    h = tl.load(x + cols, mask=ok, other=0.0).to(res.dtype.element_ty) + tl.load(res + cols, mask=ok, other=0.0)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
+    return h, rms_scale(h, tl.load(norm_w + cols, mask=ok, other=0.0), rstd)
+
+
+@triton.jit
+def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_cs, positions, slot_mapping,
+               seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
+               stride_v2, attn_max, attn_sum, attn_acc, attn_out, counters,
+               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+               GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """Phase B for program pid = (kv head, partition)."""
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    HALF: tl.constexpr = HEAD_SIZE // 2
+    kv_head = pid // NP
+    part = pid % NP
+    seq_len = tl.load(seq_lens)
+    pos = tl.load(positions).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]
+    cs = cos_sin_cache + pos * stride_cs + d
+    cos = tl.load(cs).to(qkv.dtype.element_ty)
+    sin = tl.load(cs + HALF).to(qkv.dtype.element_ty)
+    hq = tl.arange(0, GROUP_PAD)[:, None]
+    q1, q2 = rotated_heads(qkv + kv_head * GROUP * HEAD_SIZE, q_norm_w, eps, cos, sin, hq, d, hq < GROUP, HALF,
+                           QK_NORM)
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_SIZE))
+
+    part_tokens = tl.cdiv(tl.cdiv(seq_len, NP), BLOCK_N) * BLOCK_N
+    start = part * part_tokens
+    end = tl.maximum(tl.minimum(start + part_tokens, seq_len), start)
+    slot = tl.load(slot_mapping)
+    if (end == seq_len) & (start < end) & (slot >= 0):
+        # This partition holds the newest key: write it (and its value) before attending over the cache.
+        k_ptr = qkv + (HEADS + kv_head) * HEAD_SIZE
+        one = tl.zeros([1, 1], tl.int32)
+        k1, k2 = rotated_heads(k_ptr, k_norm_w, eps, cos, sin, one, d, d < HALF, HALF, QK_NORM)
+        v_ptr = k_ptr + KV_HEADS * HEAD_SIZE + d
+        store_token_kv(k_cache, v_cache, slot.to(tl.int64), k1, k2, tl.load(v_ptr), tl.load(v_ptr + HALF), kv_head,
+                       d, d < HALF, 1.0, 1.0, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+                       HALF, BLOCK_SIZE, X, LAYOUT, 0)
+        tl.debug_barrier()
+
+    g = tl.arange(0, GROUP_PAD)
+    q_pos = tl.where(g < GROUP, seq_len - 1, -1)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_SIZE], tl.float32)
+    no_sparse = tl.zeros([GROUP_PAD], tl.int32)
+    m_i, l_i, acc = attend_range(
+        q, m_i, l_i, acc, start, start + (end - start) // BLOCK_N * BLOCK_N, end, seq_len, q_pos,
+        tl.zeros([GROUP_PAD], tl.float32), scale * LOG2E, k_cache, v_cache, block_table, kv_head,
+        stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, no_sparse, 0, 0, 1, 1,
+        HEAD_SIZE, HEAD_SIZE, BLOCK_SIZE, BLOCK_N, X, LAYOUT, 0, False, False, DOT_PREC)
+
+    dd = tl.arange(0, HEAD_SIZE)
+    stat = (kv_head * GROUP + g) * NP + part
+    tl.store(attn_max + stat, m_i, mask=g < GROUP)
+    tl.store(attn_sum + stat, l_i, mask=g < GROUP)
+    tl.store(attn_acc + stat[:, None] * HEAD_SIZE + dd[None, :], acc, mask=(g < GROUP)[:, None])
+    tl.debug_barrier()
+    if tl.atomic_add(counters + kv_head, 1, sem="acq_rel", scope="gpu") == NP - 1:
+        # Last of the kv head's partitions: merge them (m in log2 units, as attend_tile keeps it).
+        tl.store(counters + kv_head, 0)
+        p = tl.arange(0, NP_PAD)[:, None]
+        gg = tl.arange(0, GROUP_P2)
+        ok = (p < NP) & (gg < GROUP)[None, :]
+        st = (kv_head * GROUP + gg)[None, :] * NP + p
+        mp = tl.load(attn_max + st, mask=ok, other=float("-inf"))
+        mx = tl.max(mp, axis=0)
+        weight = tl.exp2(mp - tl.where(mx == float("-inf"), 0.0, mx)[None, :])
+        den = tl.sum(weight * tl.load(attn_sum + st, mask=ok, other=0.0), axis=0)
+        parts = tl.load(attn_acc + st[:, :, None] * HEAD_SIZE + dd[None, None, :], mask=ok[:, :, None], other=0.0)
+        o = tl.sum(weight[:, :, None] * parts, axis=0) / tl.where(den == 0.0, 1.0, den)[:, None]
+        tl.store(attn_out + (kv_head * GROUP + gg)[:, None] * HEAD_SIZE + dd[None, :], o,
+                 mask=(gg < GROUP)[:, None])
+
+
+@triton.jit
+def _decoder_layer_kernel(
+    x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_out, o_out, act, counters,
+    barrier, barrier_base,
+    w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, qk_eps, scale,
+    cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
+    k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+    D: tl.constexpr, D_PAD: tl.constexpr, Q_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
+    NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr, O_RPP: tl.constexpr,
+    O_STEPS: tl.constexpr, U_RPP: tl.constexpr, U_STEPS: tl.constexpr, E_RPP: tl.constexpr,
+    E_STEPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
+    LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr,
+    PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_SIZE
+    Q: tl.constexpr = HEADS * HEAD_SIZE
+    cols = tl.arange(0, D_PAD)
+    if PHASE < 0 or PHASE == 0:
+        first = _weight_slice(w_qkv, pid * A_STEPS, N_QKV, N_QKV, D, D_PAD, A_RPP, 1)
+        h, x = _norm_row(x_in, residual, w_ln, eps, D, D_PAD)
+        if pid == 0:
+            tl.store(res_mid + cols, h, mask=cols < D)
+        _gemv(w_qkv, first, pid, N_QKV, x, qkv, b_qkv, D, D_PAD, A_RPP, A_STEPS, 1, QKV_BIAS)
+    if PHASE < 0:
+        _grid_sync(barrier, barrier_base + NPROG)
+    if PHASE < 0 or PHASE == 2:  # o_proj's weights stream in while attention runs
+        first = _weight_slice(w_o, pid * O_STEPS, D, D, Q, Q_PAD, O_RPP, 1)
+    if PHASE < 0 or PHASE == 1:
+        if pid < KV_HEADS * NP:
+            _attention(pid, qkv, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache, stride_cs, positions,
+                       slot_mapping, seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2,
+                       stride_vb, stride_vh, stride_v2, attn_max, attn_sum, attn_acc, attn_out, counters,
+                       HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, GROUP_P2, NP, NP_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT,
+                       QK_NORM, DOT_PREC)
+    if PHASE < 0:
+        _grid_sync(barrier, barrier_base + 2 * NPROG)
+    if PHASE < 0 or PHASE == 2:
+        q_cols = tl.arange(0, Q_PAD)
+        x = tl.load(attn_out + q_cols, mask=q_cols < Q, other=0.0)
+        _gemv(w_o, first, pid, D, x, o_out, o_out, Q, Q_PAD, O_RPP, O_STEPS, 1, False)
+    if PHASE < 0 or PHASE == 3:
+        first = _weight_slice(w_gate_up, pid * U_STEPS, INTER, INTER, D, D_PAD, U_RPP, 2)
+    if PHASE < 0:
+        _grid_sync(barrier, barrier_base + 3 * NPROG)
+    if PHASE < 0 or PHASE == 3:
+        h, x = _norm_row(o_out, res_mid, w_post, eps, D, D_PAD)
+        if pid == 0:
+            tl.store(residual + cols, h, mask=cols < D)
+        _gemv(w_gate_up, first, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, 2, False)
+    if PHASE < 0 or PHASE == 4:
+        first = _weight_slice(w_down, pid * E_STEPS, D, D, INTER, INTER_PAD, E_RPP, 1)
+    if PHASE < 0:
+        _grid_sync(barrier, barrier_base + 4 * NPROG)
+    if PHASE < 0 or PHASE == 4:
+        i_cols = tl.arange(0, INTER_PAD)
+        x = tl.load(act + i_cols, mask=i_cols < INTER, other=0.0)
+        _gemv(w_down, first, pid, D, x, x_out, x_out, INTER, INTER_PAD, E_RPP, E_STEPS, 1, False)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's parameters as the kernel reads them (nn.Linear layouts: [out, in])."""
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]: q, k, v rows
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3's per-head norms (both or neither)
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, hidden]: gate rows, then up rows
+    down: torch.Tensor
+    eps: float
+    qk_eps: float
+
+
+def _gemv_plan(n_rows: int, k: int, pairs: int, num_programs: int, itemsize: int) -> tuple[int, int]:
+    """(RPP, STEPS): each program takes STEPS slices of RPP consecutive rows. One slice when the program's
+    share fits SLICE_BYTES (all its weights are then requested before the barrier that precedes their use);
+    else slices of at most STEP_BYTES, each loaded while the one before is used."""
+    row_bytes = pairs * triton.next_power_of_2(k) * itemsize
+    share = triton.next_power_of_2(triton.cdiv(n_rows, num_programs))
+    if share * row_bytes <= SLICE_BYTES:
+        return share, 1
+    rpp = share
+    while rpp > 1 and rpp * row_bytes > STEP_BYTES:
+        rpp //= 2
+    return rpp, share // rpp
+
+
+class DecoderLayerKernel:
+    """The kernel's plan for one model shape, built once: tile sizes, the attention split, and the scratch
+    buffers every layer and step reuses (so CUDA graphs can capture it)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
+                 head_size: int, dtype: torch.dtype, device: torch.device, num_programs: int | None = None) -> None:
+        reason = self.unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype)
+        if reason:
+            raise ValueError(f"decoder-layer kernel: {reason}")
+        if num_programs is None:
+            num_programs = min(MAX_PROGRAMS, 1 << (_host.num_sms(device).bit_length() - 1))
+        self.num_programs = num_programs
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.dtype = dtype
+        self.partitions = max(1, num_programs // num_kv_heads)
+        q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
+        itemsize = dtype.itemsize
+        self.plans = (*_gemv_plan(q_width + 2 * kv_width, hidden_size, 1, num_programs, itemsize),
+                      *_gemv_plan(hidden_size, q_width, 1, num_programs, itemsize),
+                      *_gemv_plan(intermediate_size, hidden_size, 2, num_programs, itemsize),
+                      *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
+
+        def buf(*shape, dtype=torch.float32):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        self.x = buf(hidden_size)  # a layer's MLP output, float32 as the split-K sums were
+        self.residual = buf(hidden_size, dtype=dtype)
+        self.res_mid = buf(hidden_size, dtype=dtype)
+        self.qkv = buf(q_width + 2 * kv_width, dtype=dtype)
+        self.attn_stats = buf(2, num_heads, self.partitions)
+        self.attn_acc = buf(num_heads, self.partitions, head_size)
+        self.attn_out = buf(q_width, dtype=dtype)
+        self.o_out = buf(hidden_size)
+        self.act = buf(intermediate_size, dtype=dtype)
+        self.counters = buf(num_kv_heads, dtype=torch.int32)
+        self.barrier = buf(1, dtype=torch.int32)
+
+    @staticmethod
+    def unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype) -> str | None:
+        """Why the kernel cannot run this shape, or None."""
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {dtype}"
+        if head_size not in (64, 128, 256):
+            return f"head size {head_size} (64, 128 or 256)"
+        if num_heads % num_kv_heads:
+            return f"{num_heads} heads over {num_kv_heads} kv heads"
+        if num_kv_heads > MAX_PROGRAMS:
+            return f"{num_kv_heads} kv heads (at most {MAX_PROGRAMS})"
+        for name, k in (("hidden size", hidden_size), ("intermediate size", intermediate_size)):
+            if k % 16:
+                return f"{name} {k} (a multiple of 16)"
+        return None
+
+    def begin_step(self) -> None:
+        """Before a step's first layer: the barrier counter restarts (the layers' barriers follow on from it)
+        and the residual is zero, which makes layer 0's residual add a no-op."""
+        self.barrier.zero_()
+        self.residual.zero_()
+
+    def __call__(self, layer: int, x_in: torch.Tensor, w: LayerWeights, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, scale: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 phased: bool | None = None) -> None:
+        """Layer `layer` of the step for one sequence: x_in is its input (the embedding for layer 0, else
+        self.x); leaves its output in self.x and self.residual. Reads one token's
+        positions / slot_mapping / seq_lens entries and the sequence's block table row.
+        phased: the five phases as five launches without barriers; default: only where the interpreter runs
+        the kernel (CPU tensors)."""
+        layout, block_size, x = _host.cache_layout(key_cache, value_cache)
+        group = self.num_heads // self.num_kv_heads
+        qk_norm = w.q_norm is not None
+        consts = dict(
+            D=self.hidden_size, D_PAD=triton.next_power_of_2(self.hidden_size),
+            Q_PAD=triton.next_power_of_2(self.num_heads * self.head_size), INTER=self.intermediate_size,
+            INTER_PAD=triton.next_power_of_2(self.intermediate_size), HEADS=self.num_heads,
+            KV_HEADS=self.num_kv_heads, HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
+            GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
+            **dict(zip(("A_RPP", "A_STEPS", "O_RPP", "O_STEPS", "U_RPP", "U_STEPS", "E_RPP", "E_STEPS"), self.plans)),
+            BLOCK_SIZE=block_size,
+            BLOCK_N=max(BLOCK_N, block_size) if x_in.is_cuda else max(16, block_size), X=x, LAYOUT=layout,
+            QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
+            DOT_PREC=_host.dot_precision(self.dtype), num_warps=NUM_WARPS,
+            num_stages=1, enable_fp_fusion=False)
+        args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
+                self.attn_acc, self.attn_out, self.o_out, self.act, self.counters, self.barrier,
+                layer * (PHASES - 1) * self.num_programs,
+                w.input_norm, w.qkv, w.qkv if w.qkv_bias is None else w.qkv_bias,
+                w.q_norm if qk_norm else w.input_norm, w.k_norm if qk_norm else w.input_norm, w.o, w.post_norm,
+                w.gate_up, w.down, w.eps, w.qk_eps, scale, cos_sin_cache, cos_sin_cache.stride(0), positions,
+                slot_mapping, seq_lens, block_table, key_cache, value_cache, *key_cache.stride()[:3],
+                *value_cache.stride()[:3])
+        grid = (self.num_programs,)
+        phased = not x_in.is_cuda if phased is None else phased
+        for phase in range(PHASES) if phased else (-1,):
+            _decoder_layer_kernel[grid](*args, PHASE=phase, **consts)

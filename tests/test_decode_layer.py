@@ -1,0 +1,146 @@
+"""The decoder-layer kernel (pagedllm.ops.triton.decode_layer) on CPU under the Triton interpreter, its five
+phases launched in turn: a decode step of one sequence through LlamaModel with the kernel gives the logits
+and writes the K/V of the layers' PyTorch path. Qwen3 (q/k norms, GQA 4), Qwen2 (q/k/v bias, GQA 2) and Llama
+(MHA); both cache layouts; pages in random order; contexts of one token, of a few partitions and of more
+partitions than the kernel has, with tiles that leave partitions and row tiles empty.
+tests/gpu/test_decode_layer_gpu.py runs it with its grid barriers, at real sizes."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
+
+from pagedllm.layers import activation, linear, norm, rotary  # noqa: E402
+from pagedllm.layers.attention import AttentionMetadata, set_forward_context  # noqa: E402
+from pagedllm.models import fused_decode, load_model  # noqa: E402
+
+pytest.importorskip("triton")
+
+BLOCK = 16
+MODELS = {
+    "qwen3": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64)),
+    "qwen2": (Qwen2Config, dict(num_attention_heads=2, num_key_value_heads=1)),
+    "llama": (LlamaConfig, dict(num_attention_heads=2, num_key_value_heads=2)),
+}
+
+
+def _fused():
+    from pagedllm.ops.triton import fused
+    return fused
+
+
+def _model(tmp_path, arch, dtype):
+    config_cls, heads = MODELS[arch]
+    config = config_cls(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                        max_position_embeddings=512, architectures=[config_cls.__name__[:-6] + "ForCausalLM"],
+                        **heads)
+    config.save_pretrained(tmp_path)
+    model, _, _ = load_model(str(tmp_path), dtype, "cpu", load_format="dummy", seed=1)
+    with torch.no_grad():  # dummy norms and biases start at 1 / 0: random ones make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    return model
+
+
+def _bind_caches(model, layout, num_blocks, dtype):
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        d, hkv = attn.head_size, attn.num_kv_heads
+        if layout == "hnd":
+            shapes = [(num_blocks, hkv, BLOCK, d)] * 2
+        else:
+            x = 16 // torch.empty((), dtype=dtype).element_size()
+            shapes = [(num_blocks, hkv, d // x, BLOCK, x), (num_blocks, hkv, d, BLOCK)]
+        attn.bind_cache(torch.zeros(shapes[0], dtype=dtype), torch.zeros(shapes[1], dtype=dtype), "auto", 1.0, 1.0)
+
+
+def _caches(model):
+    return [t.clone() for layer in model.model.layers for t in (layer.self_attn.attn.key_cache,
+                                                                layer.self_attn.attn.value_cache)]
+
+
+def _restore(model, saved):
+    caches = [t for layer in model.model.layers for t in (layer.self_attn.attn.key_cache,
+                                                          layer.self_attn.attn.value_cache)]
+    for t, s in zip(caches, saved):
+        t.copy_(s)
+
+
+def _step(model, ids, pages, start, n):
+    """Tokens start..start+n-1 of ids through the model, as one prefill (n > 1) or one decode."""
+    pos = torch.arange(start, start + n)
+    slots = pages[pos // BLOCK] * BLOCK + pos % BLOCK
+    i32 = dict(dtype=torch.int32)
+    table, seq_len = pages[None].to(torch.int32), torch.tensor([start + n], **i32)
+    if n == 1:
+        meta = AttentionMetadata(slots, 1, table, seq_len, start + 1, None, None, None, 0, 0)
+    else:
+        meta = AttentionMetadata(slots, 0, None, None, 0, table, seq_len, torch.tensor([0, n], **i32), n, start + n)
+    with set_forward_context(meta), torch.no_grad():
+        return model.compute_logits(model(ids[start:start + n], pos))
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("layout", ["hnd", "vllm"])
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
+@pytest.mark.parametrize("context", [1, 37, 300])
+def test_decode_step_through_the_kernel_equals_the_layers(tmp_path, monkeypatch, arch, layout, dtype, rel, context):
+    _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_projections_streamed_in_slices(tmp_path, monkeypatch, arch):
+    """Weight shares too large for one slice are streamed a slice at a time (the larger models' path)."""
+    from pagedllm.ops.triton import decode_layer
+    monkeypatch.setattr(decode_layer, "SLICE_BYTES", 4096)
+    monkeypatch.setattr(decode_layer, "STEP_BYTES", 2048)
+    assert decode_layer._gemv_plan(384, 128, 1, 8, 2) == (8, 8)
+    _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float16, 2e-2, 300)
+
+
+def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context):
+    model = _model(tmp_path, arch, dtype)
+    num_blocks = -(-context // BLOCK) + 3
+    gen = torch.Generator().manual_seed(context)
+    pages = torch.randperm(num_blocks, generator=gen)[:-(-context // BLOCK)]
+    ids = torch.randint(0, 96, (context,), generator=gen)
+    _bind_caches(model, layout, num_blocks, dtype)
+    if context > 1:
+        _step(model, ids, pages, 0, context - 1)
+    before = _caches(model)
+    reference = _step(model, ids, pages, context - 1, 1)
+    reference_caches = _caches(model)
+
+    _restore(model, before)
+    for module in (norm, activation, rotary, linear, fused_decode):  # CPU tensors take the kernels too
+        monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
+    from pagedllm.ops.triton.decode_layer import DecoderLayerKernel
+    calls = []
+    monkeypatch.setattr(DecoderLayerKernel, "__call__",
+                        lambda self, *a, f=DecoderLayerKernel.__call__, **kw: calls.append(a[0]) or f(self, *a, **kw))
+    # 8 programs (an H100 gets 128): several row tiles per program, and partitions of 48 tokens at 300
+    attn = model.model.layers[0].self_attn
+    kernel = DecoderLayerKernel(128, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype,
+                                torch.device("cpu"), num_programs=8)
+    model.model._fused_decode = fused_decode.FusedDecode(model.model, kernel)
+    logits = _step(model, ids, pages, context - 1, 1)
+    assert calls == [0, 1]  # the kernel ran each layer
+    err = (logits - reference).abs().max() / reference.abs().max()
+    assert err < rel, f"max error {err:.2e} relative to the largest logit"
+    for ours, theirs in zip(_caches(model), reference_caches):
+        torch.testing.assert_close(ours, theirs, rtol=rel, atol=rel)
+
+
+def test_unsupported_shapes_are_named():
+    from pagedllm.ops.triton.decode_layer import DecoderLayerKernel
+    assert DecoderLayerKernel.unsupported(1024, 3072, 16, 8, 128, torch.bfloat16) is None
+    assert "head size 80" in DecoderLayerKernel.unsupported(1024, 3072, 16, 8, 80, torch.bfloat16)
+    assert "12 heads over 8" in DecoderLayerKernel.unsupported(1024, 3072, 12, 8, 128, torch.bfloat16)
+    assert "intermediate size 3000" in DecoderLayerKernel.unsupported(1024, 3000, 16, 8, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="decoder-layer kernel: head size 80"):
+        DecoderLayerKernel(1024, 3072, 16, 8, 80, torch.bfloat16, torch.device("cpu"))
