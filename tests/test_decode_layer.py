@@ -1,8 +1,8 @@
 """The decoder-layer kernel (pagedllm.ops.triton.decode_layer) on CPU under the Triton interpreter, its five
 phases launched in turn: a decode step of one sequence through LlamaModel with the kernel gives the logits
-and writes the K/V of the layers' PyTorch path. Qwen3 (q/k norms, GQA 4), Qwen2 (q/k/v bias, GQA 2) and Llama
-(MHA); both cache layouts; pages in random order; contexts of one token, of a few partitions and of more
-partitions than the kernel has, with tiles that leave partitions and row tiles empty.
+and writes the K/V of the layers' PyTorch path. Qwen3 (q/k norms, GQA 4), Qwen2 (q/k/v bias, GQA 2), Llama
+(MHA), groups of 3 with a hidden size of 192, 256-channel heads; both cache layouts; pages in random order;
+contexts of one token, of a few partitions and of more partitions than the kernel has (empty partitions).
 tests/gpu/test_decode_layer_gpu.py runs it with its grid barriers, at real sizes."""
 import os
 
@@ -20,9 +20,13 @@ pytest.importorskip("triton")
 
 BLOCK = 16
 MODELS = {
-    "qwen3": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64)),
-    "qwen2": (Qwen2Config, dict(num_attention_heads=2, num_key_value_heads=1)),
-    "llama": (LlamaConfig, dict(num_attention_heads=2, num_key_value_heads=2)),
+    "qwen3": (Qwen3Config, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=64)),
+    "qwen2": (Qwen2Config, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)),
+    "llama": (LlamaConfig, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)),
+    # SmolLM2-like: groups of 3 query heads, a hidden size that is no power of two
+    "llama-gqa3": (LlamaConfig, dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1)),
+    "qwen3-head256": (Qwen3Config, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=256)),
 }
 
 
@@ -33,7 +37,7 @@ def _fused():
 
 def _model(tmp_path, arch, dtype):
     config_cls, heads = MODELS[arch]
-    config = config_cls(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+    config = config_cls(vocab_size=96, intermediate_size=96, num_hidden_layers=2,
                         max_position_embeddings=512, architectures=[config_cls.__name__[:-6] + "ForCausalLM"],
                         **heads)
     config.save_pretrained(tmp_path)
@@ -85,12 +89,17 @@ def _step(model, ids, pages, start, n):
         return model.compute_logits(model(ids[start:start + n], pos))
 
 
-@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 @pytest.mark.parametrize("layout", ["hnd", "vllm"])
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 @pytest.mark.parametrize("context", [1, 37, 300])
 def test_decode_step_through_the_kernel_equals_the_layers(tmp_path, monkeypatch, arch, layout, dtype, rel, context):
     _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context)
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa3", "qwen3-head256"])
+def test_other_head_shapes(tmp_path, monkeypatch, arch):
+    _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float32, 1e-5, 300)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
@@ -125,9 +134,9 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context)
                         lambda self, *a, f=DecoderLayerKernel.__call__, **kw: calls.append(a[0]) or f(self, *a, **kw))
     # 8 programs (an H100 gets 128): several row tiles per program, and partitions of 48 tokens at 300
     attn = model.model.layers[0].self_attn
-    kernel = DecoderLayerKernel(128, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype,
-                                torch.device("cpu"), num_programs=8)
-    model.model._fused_decode = fused_decode.FusedDecode(model.model, kernel)
+    kernel = DecoderLayerKernel(model.config.hidden_size, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                dtype, torch.device("cpu"), num_programs=8)
+    model.model._fused_decode = {False: fused_decode.FusedDecode(model.model, kernel)}
     logits = _step(model, ids, pages, context - 1, 1)
     assert calls == [0, 1]  # the kernel ran each layer
     err = (logits - reference).abs().max() / reference.abs().max()
@@ -136,11 +145,27 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context)
         torch.testing.assert_close(ours, theirs, rtol=rel, atol=rel)
 
 
+def test_padding_step_writes_nothing(tmp_path, monkeypatch):
+    """A CUDA graph's capture runs the step with seq_len 0 and slot -1: no cache write, finite output."""
+    model = _model(tmp_path, "qwen3", torch.float16)
+    _bind_caches(model, "hnd", 4, torch.float16)
+    for module in (norm, activation, rotary, linear, fused_decode):
+        monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
+    meta = AttentionMetadata(torch.tensor([-1]), 1, torch.zeros(1, 4, dtype=torch.int32),
+                             torch.tensor([0], dtype=torch.int32), 0, None, None, None, 0, 0)
+    with set_forward_context(meta), torch.no_grad():
+        hidden = model(torch.tensor([3]), torch.tensor([0]))
+    assert model.model._fused_decode[False] is not None  # the kernel ran the step
+    assert torch.isfinite(hidden).all()
+    assert all(not t.any() for t in _caches(model))
+
+
 def test_unsupported_shapes_are_named():
     from pagedllm.ops.triton.decode_layer import DecoderLayerKernel
     assert DecoderLayerKernel.unsupported(1024, 3072, 16, 8, 128, torch.bfloat16) is None
     assert "head size 80" in DecoderLayerKernel.unsupported(1024, 3072, 16, 8, 80, torch.bfloat16)
     assert "12 heads over 8" in DecoderLayerKernel.unsupported(1024, 3072, 12, 8, 128, torch.bfloat16)
     assert "intermediate size 3000" in DecoderLayerKernel.unsupported(1024, 3000, 16, 8, 128, torch.bfloat16)
+    assert "8 kv heads on 4 programs" in DecoderLayerKernel.unsupported(1024, 3072, 16, 8, 128, torch.bfloat16, 4)
     with pytest.raises(ValueError, match="decoder-layer kernel: head size 80"):
         DecoderLayerKernel(1024, 3072, 16, 8, 80, torch.bfloat16, torch.device("cpu"))

@@ -1,8 +1,9 @@
-"""The decoder-layer kernel on the GPU with its grid barriers, at the random-weight Qwen3-0.6B and Llama
-shapes of test_engine_gpu.py: one launch a layer gives exactly what its five phases launched one by one give
-(so the barriers order every phase's reads after the writes they need), its logits agree with the layers'
-fused path, and batch-1 greedy decoding through the engine (CUDA graphs and eager) stays near transformers'
-fp32 greedy choice, as the engine's other half-precision paths must (test_engine_gpu.py)."""
+"""The decoder-layer kernel on the GPU, at the random-weight Qwen3-0.6B and Llama shapes of
+test_engine_gpu.py: its persistent mode (one launch a layer, grid barriers) gives exactly what the five phases
+launched one by one give (so the barriers order every phase's reads after the writes they need), both agree
+with the layers' fused path, and batch-1 greedy decoding through the engine (CUDA graphs and eager, both
+modes) stays near transformers' fp32 greedy choice, as the engine's other half-precision paths must
+(test_engine_gpu.py)."""
 import pytest
 import torch
 
@@ -75,18 +76,20 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
     # rounding to bf16 of q/k/v, the attention output and the projections can then land an ulp apart.
     err = (fused - layers).abs().max() / layers.abs().max()
     assert err < 4e-2, f"max error {err:.2e} relative to the largest logit"
-    for _ in range(20):  # replays: the barrier counter and the partition counters restart each step
+    for _ in range(20):  # more steps: the barrier counter and the partition counters restart each time
         _restore(model, start)
         assert torch.equal(_decode(model, token, context, pages), fused)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("enforce_eager,mode", [(False, "1"), (True, "1"), (False, "persistent")],
+                         ids=["graphs", "eager", "graphs-persistent"])
 @torch.inference_mode()
-def test_batch_one_greedy_is_near_transformers(hf_model_dir, monkeypatch, enforce_eager):
+def test_batch_one_greedy_is_near_transformers(hf_model_dir, monkeypatch, enforce_eager, mode):
     """One prompt at a time, so every decode step is a batch of one: through the kernel, each token must be
     within 2% of the logit spread of transformers' fp32 best on our own sequence (test_engine_gpu.py's bf16
     bar)."""
     path, model = hf_model_dir
+    monkeypatch.setenv(fused_decode.ENV_VAR, mode)
     calls = []
     monkeypatch.setattr(DecoderLayerKernel, "begin_step",
                         lambda self, f=DecoderLayerKernel.begin_step: calls.append(1) or f(self))

@@ -1,10 +1,10 @@
-"""A whole Llama-family decoder layer in one launch, for decode steps of one sequence.
+"""A Llama-family decoder layer as five kernel phases (or one persistent launch), for decode steps of one
+sequence.
 
 At batch 1 a layer ran as ~9 kernels (norm, qkv, RoPE + cache write, attention, its reduce, o_proj, norm,
 gate_up, down), each streaming a few MB of weights and each paying a launch gap, a ramp to full bandwidth and
 a tail: Qwen3-0.6B spent ~40 us a layer where reading its 31 MB of weights takes ~10 (benchmarks/results/
-README.md, decode step latency). Here one launch of NUM_PROGRAMS programs (at most one per SM, so all are
-resident at once) runs the layer as five phases with a grid barrier between each two:
+README.md, decode step latency). Here num_programs programs (at most one per SM) run the layer as five phases:
 
   A  residual add + RMSNorm, qkv projection
   B  q/k RMSNorm + RoPE, the new token's K/V into the cache, attention split over the context; the last
@@ -13,14 +13,25 @@ resident at once) runs the layer as five phases with a grid barrier between each
   D  residual add + RMSNorm, gate_up projection, SiLU-and-mul
   E  down_proj, whose output and the residual are the next layer's input
 
-Each projection is a GEMV whose row tiles are dealt out to every program; a program loads its first tile of
-the next projection before it waits at a barrier, so the wait overlaps the weight stream. The values are
-rounded to the model dtype where the layers' fused path holds them in a tensor of that dtype (normalised
-input, q/k/v, attention output, each projection's output, residual), so the two paths agree to the
-accumulation order of the GEMVs.
+Each projection is a GEMV whose rows are dealt out to the programs in equal contiguous shares; a program
+requests its whole share of the weights (for Qwen3-0.6B 32-128 KB, held in registers at 16 warps) at once.
+Shares too large for that stream in slices, the next one in flight while one is used. The values are rounded
+to the model dtype where the layers' fused path holds them in a tensor of that dtype (normalised input, q/k/v,
+attention output, SiLU-and-mul, residual; o_proj's and down_proj's outputs stay float32 as the split-K GEMM's
+partials do), so the two paths agree to the accumulation order of the GEMVs.
 
-PHASE >= 0 runs only that phase and no barrier: the Triton interpreter runs programs one after another,
-where a grid barrier would wait forever, so the CPU tests launch the five phases in turn.
+By default each phase is its own launch (PHASE = 0..4). The persistent mode (PHASE = -1) runs all five in
+one launch with a grid barrier between each two, every program requesting its share of the next projection's
+weights before it waits (o_proj's during attention). It needs every program resident at once (one per SM,
+nothing else running), and on the H100 it is no faster than the five launches inside a CUDA graph, so it is
+opt-in (PAGEDLLM_DECODE_LAYER=persistent): the place for overlapping work across phases. The Triton
+interpreter runs programs one after another, where a grid barrier would wait forever: CPU tensors always take
+the five launches.
+
+Measured on the H100 (benchmarks/results/README.md, benchmarks/decode_layer.py): Qwen3-0.6B's batch-1 decode
+step 1.36 -> 1.26 ms at 1K context, 1.55 -> 1.47 ms at 4K; ~30 us a layer, attention (phase B) the largest
+part; a grid barrier ~1 us. Pulling the attention's K/V into the L2 during phase A (prefetch.global.L2) made
+the persistent layer slower (31 -> 35 us).
 """
 from __future__ import annotations
 
@@ -193,7 +204,7 @@ def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_c
 def _decoder_layer_kernel(
     x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_out, o_out, act, counters,
     barrier, barrier_base,
-    w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, qk_eps, scale,
+    w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, post_eps, qk_eps, scale,
     cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
     D: tl.constexpr, D_PAD: tl.constexpr, Q_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr,
@@ -237,7 +248,7 @@ def _decoder_layer_kernel(
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 3 * NPROG)
     if PHASE < 0 or PHASE == 3:
-        h, x = _norm_row(o_out, res_mid, w_post, eps, D, D_PAD)
+        h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD)
         if pid == 0:
             tl.store(residual + cols, h, mask=cols < D)
         _gemv(w_gate_up, first, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, 2, False)
@@ -263,7 +274,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 I, hidden]: gate rows, then up rows
     down: torch.Tensor
-    eps: float
+    eps: float  # of the input norm
+    post_eps: float
     qk_eps: float
 
 
@@ -281,18 +293,25 @@ def _gemv_plan(n_rows: int, k: int, pairs: int, num_programs: int, itemsize: int
     return rpp, share // rpp
 
 
+def default_programs(device: torch.device) -> int:
+    """One program per SM, a power of two (even shares of power-of-two shapes), at most MAX_PROGRAMS."""
+    return min(MAX_PROGRAMS, 1 << (_host.num_sms(device).bit_length() - 1))
+
+
 class DecoderLayerKernel:
     """The kernel's plan for one model shape, built once: tile sizes, the attention split, and the scratch
     buffers every layer and step reuses (so CUDA graphs can capture it)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
-                 head_size: int, dtype: torch.dtype, device: torch.device, num_programs: int | None = None) -> None:
-        reason = self.unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype)
+                 head_size: int, dtype: torch.dtype, device: torch.device, num_programs: int | None = None,
+                 persistent: bool = False) -> None:
+        num_programs = num_programs or default_programs(device)
+        reason = self.unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype,
+                                  num_programs)
         if reason:
             raise ValueError(f"decoder-layer kernel: {reason}")
-        if num_programs is None:
-            num_programs = min(MAX_PROGRAMS, 1 << (_host.num_sms(device).bit_length() - 1))
         self.num_programs = num_programs
+        self.persistent = persistent
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype = dtype
@@ -315,29 +334,32 @@ class DecoderLayerKernel:
         self.attn_out = buf(q_width, dtype=dtype)
         self.o_out = buf(hidden_size)
         self.act = buf(intermediate_size, dtype=dtype)
-        self.counters = buf(num_kv_heads, dtype=torch.int32)
-        self.barrier = buf(1, dtype=torch.int32)
+        # The persistent mode's barrier counter, then attention's per-kv-head arrival counters.
+        self.sync = buf(1 + num_kv_heads, dtype=torch.int32)
 
     @staticmethod
-    def unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype) -> str | None:
-        """Why the kernel cannot run this shape, or None."""
+    def unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype,
+                    num_programs: int = MAX_PROGRAMS) -> str | None:
+        """Why the kernel cannot run this shape on num_programs programs, or None. (float32 is for the CPU
+        tests; the engine takes the kernel for 16-bit weights only.)"""
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"dtype {dtype}"
         if head_size not in (64, 128, 256):
             return f"head size {head_size} (64, 128 or 256)"
         if num_heads % num_kv_heads:
             return f"{num_heads} heads over {num_kv_heads} kv heads"
-        if num_kv_heads > MAX_PROGRAMS:
-            return f"{num_kv_heads} kv heads (at most {MAX_PROGRAMS})"
+        if num_kv_heads > num_programs:
+            return f"{num_kv_heads} kv heads on {num_programs} programs (attention needs one per kv head)"
         for name, k in (("hidden size", hidden_size), ("intermediate size", intermediate_size)):
             if k % 16:
                 return f"{name} {k} (a multiple of 16)"
         return None
 
     def begin_step(self) -> None:
-        """Before a step's first layer: the barrier counter restarts (the layers' barriers follow on from it)
-        and the residual is zero, which makes layer 0's residual add a no-op."""
-        self.barrier.zero_()
+        """Before a step's first layer: the counters restart (the layers' barriers follow on from each other;
+        attention's counters reset themselves, but a step cut short must not leave them half counted) and the
+        residual is zero, which makes layer 0's residual add a no-op."""
+        self.sync.zero_()
         self.residual.zero_()
 
     def __call__(self, layer: int, x_in: torch.Tensor, w: LayerWeights, key_cache: torch.Tensor,
@@ -347,8 +369,8 @@ class DecoderLayerKernel:
         """Layer `layer` of the step for one sequence: x_in is its input (the embedding for layer 0, else
         self.x); leaves its output in self.x and self.residual. Reads one token's
         positions / slot_mapping / seq_lens entries and the sequence's block table row.
-        phased: the five phases as five launches without barriers; default: only where the interpreter runs
-        the kernel (CPU tensors)."""
+        phased: the five phases as five launches (default unless self.persistent; always for CPU tensors,
+        which the interpreter runs)."""
         layout, block_size, x = _host.cache_layout(key_cache, value_cache)
         group = self.num_heads // self.num_kv_heads
         qk_norm = w.q_norm is not None
@@ -359,20 +381,19 @@ class DecoderLayerKernel:
             KV_HEADS=self.num_kv_heads, HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
             GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
             **dict(zip(("A_RPP", "A_STEPS", "O_RPP", "O_STEPS", "U_RPP", "U_STEPS", "E_RPP", "E_STEPS"), self.plans)),
-            BLOCK_SIZE=block_size,
-            BLOCK_N=max(BLOCK_N, block_size) if x_in.is_cuda else max(16, block_size), X=x, LAYOUT=layout,
+            BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
+            BLOCK_N=max(BLOCK_N, block_size) if x_in.is_cuda else max(16, block_size),  # CPU: several tiles
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
-            DOT_PREC=_host.dot_precision(self.dtype), num_warps=NUM_WARPS,
-            num_stages=1, enable_fp_fusion=False)
+            DOT_PREC=_host.dot_precision(self.dtype), num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False)
         args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
-                self.attn_acc, self.attn_out, self.o_out, self.act, self.counters, self.barrier,
+                self.attn_acc, self.attn_out, self.o_out, self.act, self.sync[1:], self.sync,
                 layer * (PHASES - 1) * self.num_programs,
                 w.input_norm, w.qkv, w.qkv if w.qkv_bias is None else w.qkv_bias,
                 w.q_norm if qk_norm else w.input_norm, w.k_norm if qk_norm else w.input_norm, w.o, w.post_norm,
-                w.gate_up, w.down, w.eps, w.qk_eps, scale, cos_sin_cache, cos_sin_cache.stride(0), positions,
-                slot_mapping, seq_lens, block_table, key_cache, value_cache, *key_cache.stride()[:3],
+                w.gate_up, w.down, w.eps, w.post_eps, w.qk_eps, scale, cos_sin_cache, cos_sin_cache.stride(0),
+                positions, slot_mapping, seq_lens, block_table, key_cache, value_cache, *key_cache.stride()[:3],
                 *value_cache.stride()[:3])
         grid = (self.num_programs,)
-        phased = not x_in.is_cuda if phased is None else phased
+        phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
         for phase in range(PHASES) if phased else (-1,):
             _decoder_layer_kernel[grid](*args, PHASE=phase, **consts)
