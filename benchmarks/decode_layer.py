@@ -1,0 +1,109 @@
+"""Where the decoder-layer kernel's time goes (pagedllm/ops/triton/decode_layer.py), timed as CUDA-graph replays:
+one layer in one persistent launch, the same layer as five launches (the default), each phase launched alone, the whole model's step
+through it, and the cost of one grid barrier. Random Qwen3-0.6B-shaped weights in bf16, one sequence at
+--context tokens. The same layer replays, so its 31 MB of weights partly stay in the L2: read the layer
+times as lower bounds of the engine's (its profile shows the kernel's time there).
+
+    python benchmarks/decode_layer.py [--context 1024]
+"""
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.bench.shapes import model_dir_for
+from pagedllm.layers.attention import AttentionMetadata, set_forward_context
+from pagedllm.models import load_model
+from pagedllm.ops.triton import decode_layer
+
+BLOCK = 16
+
+
+def graph_time_us(fn, reps=20) -> float:
+    """Mean time of fn as replays of a CUDA graph holding `reps` calls of it."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / 10 * 1000
+
+
+class _OnePhase:
+    """Stands in for the kernel so that a phased layer launches only one phase."""
+
+    def __init__(self, kernel, phase):
+        self.kernel, self.phase = kernel, phase
+
+    def __getitem__(self, grid):
+        def launch(*args, PHASE, **kwargs):
+            if PHASE == self.phase:
+                self.kernel[grid](*args, PHASE=PHASE, **kwargs)
+        return launch
+
+
+@triton.jit
+def _barriers(barrier, N: tl.constexpr, NPROG: tl.constexpr):
+    for i in tl.static_range(N):
+        decode_layer._grid_sync(barrier, (i + 1) * NPROG)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=1024)
+    args = parser.parse_args()
+    ctx = args.context
+    model, _, _ = load_model(model_dir_for("qwen3-0.6b"), torch.bfloat16, "cuda", load_format="dummy")
+    pages = -(-ctx // BLOCK)
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        shape = (pages, attn.num_kv_heads, BLOCK, attn.head_size)
+        attn.bind_cache(torch.randn(shape, dtype=torch.bfloat16, device="cuda"),
+                        torch.randn(shape, dtype=torch.bfloat16, device="cuda"), "auto", 1.0, 1.0)
+    table = torch.arange(pages, device="cuda")
+    pos = torch.tensor([ctx - 1], device="cuda")
+    meta = AttentionMetadata(table[pos // BLOCK] * BLOCK + pos % BLOCK, 1, table[None].to(torch.int32),
+                             torch.tensor([ctx], dtype=torch.int32, device="cuda"), ctx, None, None, None, 0, 0)
+    ids = torch.tensor([5], device="cuda")
+    print(f"{torch.cuda.get_device_name()}, Qwen3-0.6B shape, bf16, context {ctx}")
+    with set_forward_context(meta), torch.no_grad():
+        model(ids, pos)
+        decode = model.model._fused_decode[False]
+        k, w, attn = decode.kernel, decode.weights[0], decode.attns[0]
+        print(f"plans (rows per slice, slices) qkv/o/gate_up/down {k.plans}, {k.num_programs} programs, "
+              f"{k.partitions} attention partitions per kv head")
+
+        def layer(phased):
+            k.begin_step()
+            k(0, k.x, w, attn.key_cache, attn.value_cache, attn.scale, decode.cos_sin_cache, pos,
+              meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, phased=phased)
+        print(f"layer, one launch:    {graph_time_us(lambda: layer(False)):6.1f} us")
+        print(f"layer, five launches: {graph_time_us(lambda: layer(True)):6.1f} us")
+        real = decode_layer._decoder_layer_kernel
+        try:
+            for phase, name in enumerate("A norm+qkv|B attention|C o_proj|D norm+gate_up|E down".split("|")):
+                decode_layer._decoder_layer_kernel = _OnePhase(real, phase)
+                print(f"phase {name:16} alone: {graph_time_us(lambda: layer(True)):6.1f} us")
+        finally:
+            decode_layer._decoder_layer_kernel = real
+        print(f"model forward (28 layers + final norm): {graph_time_us(lambda: model(ids, pos), 2):6.1f} us")
+    barrier = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def barriers(n):
+        barrier.zero_()
+        _barriers[(k.num_programs,)](barrier, N=n, NPROG=k.num_programs, num_warps=decode_layer.NUM_WARPS)
+    one, many = graph_time_us(lambda: barriers(1)), graph_time_us(lambda: barriers(17))
+    print(f"grid barrier: {(many - one) / 16:.2f} us each ({k.num_programs} programs)")
+
+
+if __name__ == "__main__":
+    main()
