@@ -116,6 +116,15 @@ def _gemv(w, first, pid, n_rows, x, out, bias, K: tl.constexpr, K_PAD: tl.conste
 
 
 @triton.jit
+def _gemv_of(w, first, pid, n_rows, src, out, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
+             STEPS: tl.constexpr):
+    """_gemv of the vector src [K], an earlier phase's output."""
+    cols = tl.arange(0, K_PAD)
+    _gemv(w, first, pid, n_rows, tl.load(src + cols, mask=cols < K, other=0.0), out, out, K, K_PAD, RPP, STEPS, 1,
+          False)
+
+
+@triton.jit
 def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr):
     """(h = x + res, RMSNorm(h)) of the hidden row, rounded as fused.rms_norm rounds (x first to res's dtype)."""
     cols = tl.arange(0, D_PAD)
@@ -240,9 +249,7 @@ def _decoder_layer_kernel(
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 2 * NPROG)
     if PHASE < 0 or PHASE == 2:
-        q_cols = tl.arange(0, Q_PAD)
-        x = tl.load(attn_out + q_cols, mask=q_cols < Q, other=0.0)
-        _gemv(w_o, first, pid, D, x, o_out, o_out, Q, Q_PAD, O_RPP, O_STEPS, 1, False)
+        _gemv_of(w_o, first, pid, D, attn_out, o_out, Q, Q_PAD, O_RPP, O_STEPS)
     if PHASE < 0 or PHASE == 3:
         first = _weight_slice(w_gate_up, pid * U_STEPS, INTER, INTER, D, D_PAD, U_RPP, 2)
     if PHASE < 0:
@@ -257,9 +264,7 @@ def _decoder_layer_kernel(
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 4 * NPROG)
     if PHASE < 0 or PHASE == 4:
-        i_cols = tl.arange(0, INTER_PAD)
-        x = tl.load(act + i_cols, mask=i_cols < INTER, other=0.0)
-        _gemv(w_down, first, pid, D, x, x_out, x_out, INTER, INTER_PAD, E_RPP, E_STEPS, 1, False)
+        _gemv_of(w_down, first, pid, D, act, x_out, INTER, INTER_PAD, E_RPP, E_STEPS)
 
 
 @dataclass
