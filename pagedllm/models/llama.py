@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         decode = fused_decode(self, input_ids)
-        if decode is not None:  # a decode step of one sequence: one kernel per layer
+        if decode is not None:  # a decode step of one sequence: the decoder-layer kernel
             hidden, residual = decode(hidden, positions)
         else:
             for layer in self.layers:
