@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 
 from pagedllm.layers.attention import AttentionMetadata, set_forward_context  # noqa: E402
 from pagedllm.models import fused_decode  # noqa: E402
+from pagedllm.ops.triton import decode_layer  # noqa: E402
 from pagedllm.ops.triton.decode_layer import DecoderLayerKernel  # noqa: E402
 from test_engine_gpu import hf_model_dir, ours  # noqa: E402,F401  (hf_model_dir is a fixture)
 
@@ -65,20 +66,28 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
     monkeypatch.delenv(fused_decode.ENV_VAR)
 
     runs, call = {}, DecoderLayerKernel.__call__
-    for phased in (True, False):
-        _restore(model, start)
-        monkeypatch.setattr(DecoderLayerKernel, "__call__", lambda self, *a, p=phased: call(self, *a, phased=p))
-        runs[phased] = _decode(model, token, context, pages), _caches(model)
+    with monkeypatch.context() as m:  # the same arithmetic both ways: attention at the persistent launch's warps
+        m.setattr(decode_layer, "ATTENTION_WARPS", decode_layer.NUM_WARPS)
+        for phased in (True, False):
+            _restore(model, start)
+            m.setattr(DecoderLayerKernel, "__call__", lambda self, *a, p=phased: call(self, *a, phased=p))
+            runs[phased] = _decode(model, token, context, pages), _caches(model)
+        for _ in range(10):  # more steps: begin_step restarts the barrier and partition counters each time
+            _restore(model, start)
+            assert torch.equal(_decode(model, token, context, pages), runs[False][0])
     (phases, phase_caches), (fused, fused_caches) = runs[True], runs[False]
     assert torch.equal(fused, phases)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, phase_caches))
+    _restore(model, start)
+    default = _decode(model, token, context, pages)  # five launches, attention at its own warps
     # bf16 (8 bits of mantissa): the GEMVs sum in another order than cuBLAS and the split-K GEMM, and each
     # rounding to bf16 of q/k/v, the attention output and the projections can then land an ulp apart.
-    err = (fused - layers).abs().max() / layers.abs().max()
-    assert err < 4e-2, f"max error {err:.2e} relative to the largest logit"
-    for _ in range(20):  # more steps: the barrier counter and the partition counters restart each time
+    for out in (fused, default):
+        err = (out - layers).abs().max() / layers.abs().max()
+        assert err < 4e-2, f"max error {err:.2e} relative to the largest logit"
+    for _ in range(10):
         _restore(model, start)
-        assert torch.equal(_decode(model, token, context, pages), fused)
+        assert torch.equal(_decode(model, token, context, pages), default)
 
 
 @pytest.mark.parametrize("enforce_eager,mode", [(False, "1"), (True, "1"), (False, "persistent")],

@@ -23,15 +23,16 @@ partials do), so the two paths agree to the accumulation order of the GEMVs.
 By default each phase is its own launch (PHASE = 0..4). The persistent mode (PHASE = -1) runs all five in
 one launch with a grid barrier between each two, every program requesting its share of the next projection's
 weights before it waits (o_proj's during attention). It needs every program resident at once (one per SM,
-nothing else running), and on the H100 it is no faster than the five launches inside a CUDA graph, so it is
-opt-in (PAGEDLLM_DECODE_LAYER=persistent): the place for overlapping work across phases. The Triton
-interpreter runs programs one after another, where a grid barrier would wait forever: CPU tensors always take
-the five launches.
+nothing else running), all phases share its 16 warps, and on the H100 it is no faster than the five launches
+inside a CUDA graph (slower since attention takes 4 warps as its own launch), so it is opt-in
+(PAGEDLLM_DECODE_LAYER=persistent): the place for overlapping work across phases. The Triton interpreter runs
+programs one after another, where a grid barrier would wait forever: CPU tensors always take the five
+launches.
 
-Measured on the H100 (benchmarks/results/README.md, benchmarks/decode_layer.py): Qwen3-0.6B's batch-1 decode
-step 1.36 -> 1.26 ms at 1K context, 1.55 -> 1.47 ms at 4K; ~30 us a layer, attention (phase B) the largest
-part; a grid barrier ~1 us. Pulling the attention's K/V into the L2 during phase A (prefetch.global.L2) made
-the persistent layer slower (31 -> 35 us).
+Measured on the H100 (benchmarks/results/README.md, benchmarks/decode_layer.py): Qwen3-0.6B's batch-1 forward
+1045 -> 908 us with attention at 4 warps, ~25 us a layer (attention 8.5, gate_up 9.5 as launches of their own);
+the step ~1.15-1.25 ms against 1.36 without the kernel; a grid barrier ~1 us. Pulling the attention's K/V into
+the L2 during phase A (prefetch.global.L2) made the persistent layer slower (31 -> 35 us).
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ from .paged_tile import LOG2E, attend_range
 
 PHASES = 5
 NUM_WARPS = 16
+# Attention's tiles (16 query rows x 64 keys) waste 16 warps: as its own launch it takes 4 (benchmarks/
+# decode_layer.py on the H100: phase B 13.2 -> 8.5 us, 2 warps 8.3, 8 warps 10.1; the step 1045 -> 924 us).
+ATTENTION_WARPS = 4
 # A program's whole share of a projection's weights, requested at once (before the barrier it then waits at):
 # up to 64 registers a thread at 16 warps. Qwen3-0.6B's largest share is gate_up's 96 KB (128 KB padded).
 SLICE_BYTES = 131072
@@ -389,7 +393,7 @@ class DecoderLayerKernel:
             BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
             BLOCK_N=max(BLOCK_N, block_size) if x_in.is_cuda else max(16, block_size),  # CPU: several tiles
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
-            DOT_PREC=_host.dot_precision(self.dtype), num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False)
+            DOT_PREC=_host.dot_precision(self.dtype), num_stages=1, enable_fp_fusion=False)
         args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
                 self.attn_acc, self.attn_out, self.o_out, self.act, self.sync[1:], self.sync,
                 layer * (PHASES - 1) * self.num_programs,
@@ -401,4 +405,5 @@ class DecoderLayerKernel:
         grid = (self.num_programs,)
         phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
         for phase in range(PHASES) if phased else (-1,):
-            _decoder_layer_kernel[grid](*args, PHASE=phase, **consts)
+            warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
+            _decoder_layer_kernel[grid](*args, PHASE=phase, num_warps=warps, **consts)
