@@ -77,7 +77,7 @@ def _decode(split):
                  k_cache="*bf16", v_cache="*bf16", block_tables="*i32", seq_lens="*i32",
                  alibi_slopes="*fp32", k_scale="fp32", v_scale="fp32", scale="fp32")
     consts = dict(GROUP=2, GROUP_PAD=16, HEAD_SIZE=HEAD, HEAD_PAD=HEAD, BLOCK_SIZE=16, BLOCK_N=block_n, X=8,
-                  LAYOUT=1, FP8=0, SCALE_PTR=False, ALIBI=False, SPARSE=False, SPLIT=split, DOT_PREC="tf32")
+                  LAYOUT=1, FP8=0, SCALE_PTR=False, ALIBI=False, SPARSE=False, SPLIT=split, DOT_PREC="tf32", PDL=True)
     return decode._decode_kernel, types, consts, warps, stages
 
 
@@ -85,7 +85,7 @@ def _split_k(rows, gated):
     """The residual projections' GEMM at Qwen3-0.6B's down_proj (1024 x 3072), its config for `rows` rows."""
     bm, bn, bk, _, stages, warps = linear._config(rows, 1024, 3072)
     types = dict(x="*bf16", w_desc=_desc(bn, bk), partials="*fp32")
-    consts = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated)
+    consts = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated, PDL=True)
     return linear._split_k_kernel, types, consts, warps, 3  # the loop pipelines itself; 3 is the launch default
 
 
@@ -103,7 +103,7 @@ def _decoder_layer():
     consts = dict(D=1024, D_PAD=1024, Q_PAD=2048, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8,
                   HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, **dict(zip(names, plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
-                  NPROG=128, PHASE=-1, DOT_PREC="tf32")
+                  NPROG=128, PHASE=-1, DOT_PREC="tf32", PDL=False)  # persistent: no PDL
     return decode_layer._decoder_layer_kernel, types, consts, decode_layer.NUM_WARPS, 1
 
 

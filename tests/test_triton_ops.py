@@ -191,3 +191,17 @@ def test_prefill_matches_reference(case, layout):
     _ops().paged_prefill(out, *args)
     assert torch.isnan(out[-2:]).all(), "padding rows past query_start_loc[-1] were written"
     assert_close(out[:-2], expected[:-2], dtype)
+
+
+def test_programmatic_launch_only_on_cuda_and_switchable(monkeypatch):
+    """CPU tensors (the interpreter) never launch as programmatic dependents, and PAGEDLLM_PDL=0 turns them off
+    everywhere (the kernels then run exactly as plain launches; tests/gpu run them with it on)."""
+    from pagedllm.ops.triton import pdl
+    x = torch.zeros(4)
+    assert not pdl.enabled(x)
+    monkeypatch.setenv(pdl.ENV_VAR, "0")
+
+    class FakeCuda:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+    assert not pdl.enabled(FakeCuda())  # the switch is read before the device is asked anything

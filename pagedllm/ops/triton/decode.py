@@ -11,7 +11,7 @@ import triton.language as tl
 
 from pagedllm.ops.reference import PARTITION_SIZE  # v2 partitions; the v2 workspace shapes depend on it
 
-from . import _host
+from . import _host, pdl
 from .paged_tile import LN2, LOG2E, attend_range, load_scale
 
 # Split-K choice, from benchmarks/triton_tuning.py on the H100 ("hnd" cache, bf16, head 128, tile 64/2 warps):
@@ -41,8 +41,9 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
     FP8: tl.constexpr,
     SCALE_PTR: tl.constexpr, ALIBI: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     part = tl.program_id(2)
@@ -115,10 +116,11 @@ def _decode_kernel(
 def _reduce_kernel(
     out, part_max, part_sum, part_out, seq_lens, part_tokens,
     stride_os, stride_oh, stride_ms, stride_mh, stride_ts, stride_th, stride_tp,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the partition results of one (head, sequence): out = sum_p w_p o_p / sum_p w_p,
     w_p = exp_sum_p * exp(max_p - max). Chunked so any number of partitions fits in registers."""
+    pdl.start(PDL)
     head = tl.program_id(0)
     seq = tl.program_id(1)
     num_parts = tl.cdiv(tl.load(seq_lens + seq), part_tokens)
@@ -182,12 +184,14 @@ def _launch(out, partials, query, key_cache, value_cache, num_kv_heads, scale, b
         X=x, LAYOUT=layout, FP8=_host.fp8_kind(kv_cache_dtype), SCALE_PTR=scale_ptr,
         ALIBI=alibi_slopes is not None, SPARSE=sparse_vert > 1, SPLIT=split,
         DOT_PREC=_host.dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl.enabled(query), launch_pdl=pdl.enabled(query),
     )
     if split:
         _reduce_kernel[(num_heads, num_seqs)](
             out, part_max, part_sum, part_out, seq_lens, part_tokens,
             out.stride(0), out.stride(1), ms[0], ms[1], ts[0], ts[1], ts[2],
             HEAD_SIZE=head_size, HEAD_PAD=_host.pow2_at_least(head_size, 16), CHUNK=16, num_warps=4,
+            PDL=pdl.enabled(query), launch_pdl=pdl.enabled(query),
         )
 
 

@@ -20,19 +20,21 @@ to the model dtype where the layers' fused path holds them in a tensor of that d
 attention output, SiLU-and-mul, residual; o_proj's and down_proj's outputs stay float32 as the split-K GEMM's
 partials do), so the two paths agree to the accumulation order of the GEMVs.
 
-By default each phase is its own launch (PHASE = 0..4). The persistent mode (PHASE = -1) runs all five in
-one launch with a grid barrier between each two, every program requesting its share of the next projection's
-weights before it waits (o_proj's during attention). It needs every program resident at once (one per SM,
-nothing else running), all phases share its 16 warps, and on the H100 it is no faster than the five launches
-inside a CUDA graph (slower since attention takes 4 warps as its own launch), so it is opt-in
-(PAGEDLLM_DECODE_LAYER=persistent): the place for overlapping work across phases. The Triton interpreter runs
-programs one after another, where a grid barrier would wait forever: CPU tensors always take the five
-launches.
+By default each phase is its own launch (PHASE = 0..4), a programmatic dependent launch on Hopper (pdl.py):
+its programs start on the SMs the previous phase frees, request their weights and only then wait for that
+phase's results, so the next projection's weights are in flight during the previous phase's tail. The
+persistent mode (PHASE = -1) runs all five in one launch with a grid barrier between each two, every program
+requesting its share of the next projection's weights before it waits (o_proj's during attention). It needs
+every program resident at once (one per SM, nothing else running) and all phases share its 16 warps; on the
+H100 it was no faster than five plain launches inside a CUDA graph and is slower than five dependent ones,
+so it is opt-in (PAGEDLLM_DECODE_LAYER=persistent). The Triton interpreter runs programs one after another,
+where a grid barrier would wait forever: CPU tensors always take the five launches.
 
 Measured on the H100 (benchmarks/results/README.md, benchmarks/decode_layer.py): Qwen3-0.6B's batch-1 forward
-1045 -> 908 us with attention at 4 warps, ~25 us a layer (attention 8.5, gate_up 9.5 as launches of their own);
-the step ~1.15-1.25 ms against 1.36 without the kernel; a grid barrier ~1 us. Pulling the attention's K/V into
-the L2 during phase A (prefetch.global.L2) made the persistent layer slower (31 -> 35 us).
+1045 -> 908 us with attention at 4 warps, ~25 us a layer (attention 8.5, gate_up 9.5 as launches of their own),
+904 -> 748 us with the phases as dependent launches; the engine's step ~1.0 ms against 1.36 without the
+kernel; a grid barrier ~1 us. Pulling the attention's K/V into the L2 during phase A (prefetch.global.L2)
+made the persistent layer slower (31 -> 35 us).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _host
+from . import _host, pdl
 from .fused import rms_scale, rotated_heads, store_token_kv
 from .paged_tile import LOG2E, attend_range
 
@@ -227,14 +229,21 @@ def _decoder_layer_kernel(
     O_STEPS: tl.constexpr, U_RPP: tl.constexpr, U_STEPS: tl.constexpr, E_RPP: tl.constexpr,
     E_STEPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
     LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr,
-    PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
+    PHASE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if PDL:
+        # Launched as a programmatic dependent of the previous phase: let the next phase's programs start as
+        # SMs free up (they can issue their weight loads), and wait for the previous phase before reading
+        # anything it wrote. Every program waits, so a phase completes only after the one before it.
+        pdl.gdc_launch_dependents()
     N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_SIZE
     Q: tl.constexpr = HEADS * HEAD_SIZE
     cols = tl.arange(0, D_PAD)
     if PHASE < 0 or PHASE == 0:
         first = _weight_slice(w_qkv, pid * A_STEPS, N_QKV, N_QKV, D, D_PAD, A_RPP, 1)
+        if PDL:
+            pdl.gdc_wait()
         h, x = _norm_row(x_in, residual, w_ln, eps, D, D_PAD)
         if pid == 0:
             tl.store(res_mid + cols, h, mask=cols < D)
@@ -244,6 +253,8 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 2:  # o_proj's weights stream in while attention runs
         first = _weight_slice(w_o, pid * O_STEPS, D, D, Q, Q_PAD, O_RPP, 1)
     if PHASE < 0 or PHASE == 1:
+        if PDL:
+            pdl.gdc_wait()
         if pid < KV_HEADS * NP:
             _attention(pid, qkv, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache, stride_cs, positions,
                        slot_mapping, seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2,
@@ -253,12 +264,16 @@ def _decoder_layer_kernel(
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 2 * NPROG)
     if PHASE < 0 or PHASE == 2:
+        if PDL:
+            pdl.gdc_wait()
         _gemv_of(w_o, first, pid, D, attn_out, o_out, Q, Q_PAD, O_RPP, O_STEPS)
     if PHASE < 0 or PHASE == 3:
         first = _weight_slice(w_gate_up, pid * U_STEPS, INTER, INTER, D, D_PAD, U_RPP, 2)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 3 * NPROG)
     if PHASE < 0 or PHASE == 3:
+        if PDL:
+            pdl.gdc_wait()
         h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD)
         if pid == 0:
             tl.store(residual + cols, h, mask=cols < D)
@@ -268,6 +283,8 @@ def _decoder_layer_kernel(
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 4 * NPROG)
     if PHASE < 0 or PHASE == 4:
+        if PDL:
+            pdl.gdc_wait()
         _gemv_of(w_down, first, pid, D, act, x_out, INTER, INTER_PAD, E_RPP, E_STEPS)
 
 
@@ -404,6 +421,10 @@ class DecoderLayerKernel:
                 *value_cache.stride()[:3])
         grid = (self.num_programs,)
         phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
+        # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
+        # phase frees and request their weights before they wait for its results.
+        dependent = phased and pdl.enabled(x_in)
         for phase in range(PHASES) if phased else (-1,):
             warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
-            _decoder_layer_kernel[grid](*args, PHASE=phase, num_warps=warps, **consts)
+            _decoder_layer_kernel[grid](*args, PHASE=phase, num_warps=warps, PDL=dependent,
+                                        launch_pdl=dependent, **consts)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _host
+from . import _host, pdl
 from .cache import store_quantized
 from .linear import split_k_linear, split_k_supported  # noqa: F401  (the layers' decode GEMM, same switch)
 from .paged_tile import cache_offsets, load_scale
@@ -27,7 +27,9 @@ def rms_scale(x, w, rstd):
 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, stride_x, stride_r, stride_part,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -54,7 +56,9 @@ def _rms_norm(rows, weight, eps, residual, parts, stride_part, out_shape, out_dt
     out = torch.empty(out_shape, dtype=out_dtype, device=rows.device)
     block = triton.next_power_of_2(n)
     # One program per row; wider rows get more warps so each thread keeps ~8-16 values in registers.
-    launch = dict(N=n, BLOCK=block, PARTS=parts, num_warps=min(max(block // 256, 1), 16), enable_fp_fusion=False)
+    on = pdl.enabled(rows)
+    launch = dict(N=n, BLOCK=block, PARTS=parts, num_warps=min(max(block // 256, 1), 16), enable_fp_fusion=False,
+                  PDL=on, launch_pdl=on)
     if residual is None:
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, eps, rows.stride(0), 0, stride_part,
                                            HAS_RESIDUAL=False, **launch)
@@ -82,7 +86,8 @@ def rms_norm_split_k(partials: torch.Tensor, weight: torch.Tensor, eps: float, r
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_x, I: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x, out, stride_x, I: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -100,7 +105,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out, rows.stride(0), I=inter, BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        rows, out, rows.stride(0), I=inter, BLOCK=block, num_warps=4, enable_fp_fusion=False, PDL=pdl.enabled(x),
+        launch_pdl=pdl.enabled(x))
     return out
 
 
@@ -148,9 +154,10 @@ def _rope_kernel(q, q_out, k, v, positions, cos_sin_cache, q_weight, k_weight, e
                  Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS: tl.constexpr,
                  K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
                  CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
-                 FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+                 FP8: tl.constexpr, SCALE_PTR: tl.constexpr, PDL: tl.constexpr):
     """q rotated into q_out (q itself: in place). k: rotated in place, or with CACHE rotated straight into the
     paged key cache while v is copied into the value cache (what reshape_and_cache does with the rotated k)."""
+    pdl.start(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + token).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
@@ -214,7 +221,7 @@ def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None
         K_HEADS=k_heads, K_HEADS_PAD=triton.next_power_of_2(k_heads), HALF=half,
         HALF_PAD=triton.next_power_of_2(half), NORM=qk_norm is not None, CACHE=cache is not None,
         BLOCK_SIZE=block_size, X=x, LAYOUT=layout, FP8=fp8, SCALE_PTR=scale_ptr,
-        num_warps=min(max(tile // 256, 1), 8), enable_fp_fusion=False)
+        num_warps=min(max(tile // 256, 1), 8), enable_fp_fusion=False, PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q))
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
@@ -238,7 +245,8 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 @triton.jit
-def _argmax_chunk_kernel(x, values, indices, N, stride_x, CHUNK: tl.constexpr):
+def _argmax_chunk_kernel(x, values, indices, N, stride_x, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -250,7 +258,8 @@ def _argmax_chunk_kernel(x, values, indices, N, stride_x, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _argmax_rows_kernel(values, indices, out, num_chunks, BLOCK: tl.constexpr):
+def _argmax_rows_kernel(values, indices, out, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     v = tl.load(values + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
@@ -274,8 +283,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    on = pdl.enabled(x)
     _argmax_chunk_kernel[(rows, num_chunks)](x, values, indices, n, x.stride(0), CHUNK=ARGMAX_CHUNK,
-                                            num_warps=8)
+                                            num_warps=8, PDL=on, launch_pdl=on)
     _argmax_rows_kernel[(rows,)](values, indices, out, num_chunks, BLOCK=_host.pow2_at_least(num_chunks),
-                                 num_warps=1)
+                                 num_warps=1, PDL=on, launch_pdl=on)
     return out

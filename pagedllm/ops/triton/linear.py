@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import pdl
+
 # Where it wins on the H100 (benchmarks/gemm_probe.py, each projection with its residual norm): up to 64 rows,
 # on outputs of at most 32 weight tiles (2048 features), which cuBLAS spreads over too few SMs; Qwen3-0.6B's
 # o + down went from 6.9 + 8.3 to 5.5 + 6.8 us at one row, 7.7 + 8.8 to 7.2 + 7.8 at 64, and were no faster at
@@ -29,7 +31,8 @@ MAX_GATED_ROWS = 16
 
 @triton.jit
 def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr):
+                    BK: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -96,5 +99,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None, gated: bo
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
     _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, partials, m, n, k, k // split, rows.stride(0),
                                                           BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated,
-                                                          num_warps=warps, enable_fp_fusion=False)
+                                                          num_warps=warps, enable_fp_fusion=False,
+                                                          PDL=pdl.enabled(x), launch_pdl=pdl.enabled(x))
     return partials
