@@ -104,9 +104,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, 2 * inter)
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(inter), 1024)
+    on = pdl.enabled(x)
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out, rows.stride(0), I=inter, BLOCK=block, num_warps=4, enable_fp_fusion=False, PDL=pdl.enabled(x),
-        launch_pdl=pdl.enabled(x))
+        rows, out, rows.stride(0), I=inter, BLOCK=block, num_warps=4, enable_fp_fusion=False, PDL=on, launch_pdl=on)
     return out
 
 
@@ -213,6 +213,7 @@ def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None
         fp8 = _host.fp8_kind(kv_cache_dtype)
         k_scale, v_scale, scale_ptr = _host.scale_args(k_scale, v_scale)
         cache_strides = (*key_cache.stride()[:3], *value_cache.stride()[:3])
+    on = pdl.enabled(q)
     _rope_kernel[(q.shape[0],)](
         q, q_out, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping, slot_mapping.shape[0],
         key_cache, value_cache, k_scale, v_scale,
@@ -221,7 +222,7 @@ def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None
         K_HEADS=k_heads, K_HEADS_PAD=triton.next_power_of_2(k_heads), HALF=half,
         HALF_PAD=triton.next_power_of_2(half), NORM=qk_norm is not None, CACHE=cache is not None,
         BLOCK_SIZE=block_size, X=x, LAYOUT=layout, FP8=fp8, SCALE_PTR=scale_ptr,
-        num_warps=min(max(tile // 256, 1), 8), enable_fp_fusion=False, PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q))
+        num_warps=min(max(tile // 256, 1), 8), enable_fp_fusion=False, PDL=on, launch_pdl=on)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
