@@ -195,13 +195,17 @@ def test_prefill_matches_reference(case, layout):
 
 def test_programmatic_launch_only_on_cuda_and_switchable(monkeypatch):
     """CPU tensors (the interpreter) never launch as programmatic dependents, and PAGEDLLM_PDL=0 turns them off
-    everywhere (the kernels then run exactly as plain launches; tests/gpu run them with it on)."""
+    everywhere (the kernels then run exactly as plain launches; tests/gpu run them with it on). Without PDL
+    the launch carries no launch_pdl keyword at all, which backends without the option reject."""
     from pagedllm.ops.triton import pdl
     x = torch.zeros(4)
-    assert not pdl.enabled(x)
-    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    assert not pdl.enabled(x) and pdl.options(x) == {"PDL": False}
 
     class FakeCuda:
         is_cuda = True
         device = torch.device("cuda", 0)
-    assert not pdl.enabled(FakeCuda())  # the switch is read before the device is asked anything
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(FakeCuda())  # the interpreter has no grid dependency control
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    assert not pdl.enabled(FakeCuda())  # switched off before the device is asked anything

@@ -170,7 +170,7 @@ def _launch(out, partials, query, key_cache, value_cache, num_kv_heads, scale, b
     ms = part_max.stride() if split else (0, 0, 0)
     ts = part_out.stride() if split else (0, 0, 0, 0)
     grid = (num_kv_heads, num_seqs, num_parts)
-    on = pdl.enabled(query)
+    dependent = pdl.options(query)
     _decode_kernel[grid](
         out, part_max, part_sum, part_out,
         query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, k_scale, v_scale, scale,
@@ -185,14 +185,14 @@ def _launch(out, partials, query, key_cache, value_cache, num_kv_heads, scale, b
         X=x, LAYOUT=layout, FP8=_host.fp8_kind(kv_cache_dtype), SCALE_PTR=scale_ptr,
         ALIBI=alibi_slopes is not None, SPARSE=sparse_vert > 1, SPLIT=split,
         DOT_PREC=_host.dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
-        PDL=on, launch_pdl=on,
+        **dependent,
     )
     if split:
         _reduce_kernel[(num_heads, num_seqs)](
             out, part_max, part_sum, part_out, seq_lens, part_tokens,
             out.stride(0), out.stride(1), ms[0], ms[1], ts[0], ts[1], ts[2],
             HEAD_SIZE=head_size, HEAD_PAD=_host.pow2_at_least(head_size, 16), CHUNK=16, num_warps=4,
-            PDL=on, launch_pdl=on,
+            **dependent,
         )
 
 

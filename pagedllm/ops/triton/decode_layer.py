@@ -423,8 +423,7 @@ class DecoderLayerKernel:
         phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
         # phase frees and request their weights before they wait for its results.
-        dependent = phased and pdl.enabled(x_in)
+        dependent = pdl.options(x_in) if phased else dict(PDL=False)
         for phase in range(PHASES) if phased else (-1,):
             warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
-            _decoder_layer_kernel[grid](*args, PHASE=phase, num_warps=warps, PDL=dependent,
-                                        launch_pdl=dependent, **consts)
+            _decoder_layer_kernel[grid](*args, PHASE=phase, num_warps=warps, **dependent, **consts)

@@ -56,9 +56,8 @@ def _rms_norm(rows, weight, eps, residual, parts, stride_part, out_shape, out_dt
     out = torch.empty(out_shape, dtype=out_dtype, device=rows.device)
     block = triton.next_power_of_2(n)
     # One program per row; wider rows get more warps so each thread keeps ~8-16 values in registers.
-    on = pdl.enabled(rows)
     launch = dict(N=n, BLOCK=block, PARTS=parts, num_warps=min(max(block // 256, 1), 16), enable_fp_fusion=False,
-                  PDL=on, launch_pdl=on)
+                  **pdl.options(rows))
     if residual is None:
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, eps, rows.stride(0), 0, stride_part,
                                            HAS_RESIDUAL=False, **launch)
@@ -104,9 +103,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, 2 * inter)
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(inter), 1024)
-    on = pdl.enabled(x)
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out, rows.stride(0), I=inter, BLOCK=block, num_warps=4, enable_fp_fusion=False, PDL=on, launch_pdl=on)
+        rows, out, rows.stride(0), I=inter, BLOCK=block, num_warps=4, enable_fp_fusion=False, **pdl.options(x))
     return out
 
 
@@ -213,7 +211,6 @@ def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None
         fp8 = _host.fp8_kind(kv_cache_dtype)
         k_scale, v_scale, scale_ptr = _host.scale_args(k_scale, v_scale)
         cache_strides = (*key_cache.stride()[:3], *value_cache.stride()[:3])
-    on = pdl.enabled(q)
     _rope_kernel[(q.shape[0],)](
         q, q_out, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping, slot_mapping.shape[0],
         key_cache, value_cache, k_scale, v_scale,
@@ -222,7 +219,7 @@ def _rope(positions, q, k, head_size, cos_sin_cache, qk_norm, v=None, cache=None
         K_HEADS=k_heads, K_HEADS_PAD=triton.next_power_of_2(k_heads), HALF=half,
         HALF_PAD=triton.next_power_of_2(half), NORM=qk_norm is not None, CACHE=cache is not None,
         BLOCK_SIZE=block_size, X=x, LAYOUT=layout, FP8=fp8, SCALE_PTR=scale_ptr,
-        num_warps=min(max(tile // 256, 1), 8), enable_fp_fusion=False, PDL=on, launch_pdl=on)
+        num_warps=min(max(tile // 256, 1), 8), enable_fp_fusion=False, **pdl.options(q))
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
@@ -284,9 +281,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    on = pdl.enabled(x)
+    dependent = pdl.options(x)
     _argmax_chunk_kernel[(rows, num_chunks)](x, values, indices, n, x.stride(0), CHUNK=ARGMAX_CHUNK,
-                                            num_warps=8, PDL=on, launch_pdl=on)
+                                            num_warps=8, **dependent)
     _argmax_rows_kernel[(rows,)](values, indices, out, num_chunks, BLOCK=_host.pow2_at_least(num_chunks),
-                                 num_warps=1, PDL=on, launch_pdl=on)
+                                 num_warps=1, **dependent)
     return out

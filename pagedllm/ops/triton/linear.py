@@ -97,9 +97,8 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None, gated: bo
         raise ValueError(f"split_k_linear: config {(bm, bn, bk, split)} does not tile N={n}, K={k}")
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
-    on = pdl.enabled(x)
     _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, partials, m, n, k, k // split, rows.stride(0),
                                                           BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated,
                                                           num_warps=warps, enable_fp_fusion=False,
-                                                          PDL=on, launch_pdl=on)
+                                                          **pdl.options(x))
     return partials

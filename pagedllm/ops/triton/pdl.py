@@ -4,8 +4,9 @@ Inside a CUDA graph a kernel boundary still costs the next kernel's launch, its 
 kernel's tail (~1-3 us at decode sizes on the H100). A kernel launched with `launch_pdl=True` may start as
 soon as every program of the kernel before it has called `gdc_launch_dependents`; it must call `gdc_wait`,
 which returns once that kernel has completed and its writes are visible, before it reads or writes anything
-an earlier kernel touches. Work before the wait may only read what no kernel of the step writes (weights,
-the step's uploaded inputs). A kernel that waits completes only after the one before it, so the ordering
+an earlier kernel touches. Work before the wait may only read the weights: the step's inputs can be written
+by its kernels (a decode's token id is the previous step's sample). A kernel that waits completes only
+after the one before it, so the ordering
 stays transitive however many kernels start early; kernels launched without the attribute (cuBLAS, PyTorch)
 wait for their predecessor in full as always.
 
@@ -28,10 +29,18 @@ def _device_supports(index: int) -> bool:
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether kernels working on x launch as programmatic dependents (CUDA, compute capability 9+)."""
-    if not x.is_cuda or os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no"):
+    """Whether kernels working on x launch as programmatic dependents: NVIDIA GPUs of compute capability 9+,
+    not under the Triton interpreter (which has no grid dependency control), not switched off."""
+    if (not x.is_cuda or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET", "0") == "1"
+            or os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no")):
         return False
     return _device_supports(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def options(x: torch.Tensor) -> dict:
+    """Launch keywords of a kernel with a `PDL` constexpr, for tensors like x. `launch_pdl` is passed only
+    when set: backends without the option (AMD's) reject the keyword itself."""
+    return dict(PDL=True, launch_pdl=True) if enabled(x) else dict(PDL=False)
 
 
 @triton.jit
@@ -43,4 +52,4 @@ def start(PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["ENV_VAR", "enabled", "start", "gdc_launch_dependents", "gdc_wait"]
+__all__ = ["ENV_VAR", "enabled", "options", "start", "gdc_launch_dependents", "gdc_wait"]
