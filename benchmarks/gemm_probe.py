@@ -1,13 +1,13 @@
 """The decode step's residual projections (o_proj, down_proj) and the RMSNorm that adds them to the residual:
 cuBLAS (torch.nn.functional.linear, after fused.silu_and_mul for down_proj) + fused.rms_norm against
-pagedllm's split-K GEMM (SiLU-and-mul in its loads for down_proj) + fused.rms_norm_split_k
+pagedllm's split-K GEMM (SiLU-and-mul in its loads for down_proj at up to 16 rows) + fused.rms_norm_split_k
 (`pagedllm.ops.triton.linear`), on Qwen3-0.6B's and Llama-3-8B's shapes, with the weights coming from DRAM
 as in a decode step (each timed pair reads the next of enough weight copies to overflow the L2), in
 CUDA-graph replays. Per (shape, rows): both pairs, the op's own config, and the best of a sweep (the
 measurements behind `linear._config` and `linear.MAX_ROWS`); per row count the sum over Qwen3-0.6B's 28
 layers.
 
-    python benchmarks/gemm_probe.py [--m 1 16 32 64 128] [--out probe.json]
+    python benchmarks/gemm_probe.py [--m 1 16 32 64 128 256] [--out probe.json]
 """
 import argparse
 import itertools
@@ -46,15 +46,18 @@ def graph_us(fn, calls):
 
 
 def sweep(m, n, k):
-    bm = max(16, triton.next_power_of_2(m))
-    for bn, bk, split, stages, warps in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 4, 6), (4, 8)):
+    rows = max(16, triton.next_power_of_2(m))
+    for bm, bn, bk, split, stages, warps in itertools.product((16, 32, 64, 128), (64, 128), (128, 256), (1, 2, 4, 8),
+                                                              (3, 4, 6), (4, 8)):
+        if bm > rows or 4 * bm < rows:  # row tiles from a quarter of the rows to all of them
+            continue
         if n % bn == 0 and k % (bk * split) == 0 and stages * (bn + bm) * bk * 2 <= 200 << 10:
             yield bm, bn, bk, split, stages, warps
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256])
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -74,15 +77,19 @@ def main():
                 for w in ws:
                     fused.rms_norm(torch.nn.functional.linear(act(x), w), norm_w, 1e-6, residual)
 
+            # as ResidualLinear runs them: SiLU-and-mul in the GEMM's loads only for the fewest rows
+            in_loads = gated and m <= ops.MAX_GATED_ROWS
+            kernel_act = act if gated and not in_loads else (lambda t: t)
+
             def ours(cfg):
                 for w in ws:
-                    fused.rms_norm_split_k(ops.split_k_linear(x, w, cfg, gated), norm_w, 1e-6, residual)
+                    fused.rms_norm_split_k(ops.split_k_linear(kernel_act(x), w, cfg, in_loads), norm_w, 1e-6, residual)
 
             t_cublas = graph_us(cublas, copies)
             times = {}
             for cfg in [None, *sweep(m, n, k)]:
                 try:
-                    err = (ops.split_k_linear(x, ws[0], cfg, gated).sum(0) - exact).abs().max().item()
+                    err = (ops.split_k_linear(kernel_act(x), ws[0], cfg, in_loads).sum(0) - exact).abs().max().item()
                     times[cfg] = graph_us(lambda: ours(cfg), copies)
                 except triton.runtime.errors.OutOfResources:
                     continue

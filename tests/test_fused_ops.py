@@ -198,6 +198,7 @@ def test_rope_and_cache_equals_rope_then_cache_write(layout, dtype, kv_cache_dty
     (5, 192, 256, (16, 64, 128, 2, 2, 4)),
     (37, 64, 384, (16, 64, 128, 1, 2, 4)),  # three row tiles, the last ragged; no split
     (64, 128, 512, (64, 128, 256, 2, 2, 8)),
+    (96, 128, 1024, None),  # the tuned choice past 64 rows: 64-row tiles (the second ragged), K split 8 ways
 ])
 def test_split_k_linear_sums_to_the_product(rows, n, k, config, gated):
     """Partials that sum to x W^T; gated, to silu_and_mul(x) W^T with the activation rounded as the fused

@@ -1,11 +1,12 @@
-"""x W^T as split-K partial sums, for the projections of a decode step whose output only feeds the residual
-stream (o_proj, down_proj): the residual RMSNorm that consumes them sums the partials (fused.rms_norm_split_k).
+"""x W^T as split-K partial sums, for the projections of a decode step (up to MAX_ROWS rows) whose output only
+feeds the residual stream (o_proj, down_proj): the residual RMSNorm that consumes them sums the partials
+(fused.rms_norm_split_k).
 
 These projections have narrow outputs and long inputs (Qwen3-0.6B: N = 1024, K = 2048 / 3072), so cuBLAS
 covers the H100 with 16 output tiles and reads their 4-6 MB of weights at 0.7-0.9 TB/s (with the residual
 norm after them 6.9 / 8.3 us at one row, benchmarks/gemm_probe.py). Here K is split so that every SM
-streams a share of the weight, the weight tile is the MMA's M operand (swap-AB: the 1-64 rows of x are its
-N, so a batch of 1 wastes no MMA rows) and arrives by TMA. Each program stores its float32 partial;
+streams a share of the weight, the weight tile is the MMA's M operand (swap-AB: a tile of 1-64 rows of x is
+its N, so a batch of 1 wastes no MMA rows) and arrives by TMA. Each program stores its float32 partial;
 summing them in the norm kernel, in a fixed order, keeps the result deterministic without a reduce kernel
 or a semaphore (a last-program reduce inside this kernel cost ~1.5 us of tail, most of the gain). For
 down_proj the MLP's SiLU-and-mul is applied as x is loaded (`gated`), so that kernel goes too.
@@ -17,11 +18,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
 
-# Where it wins on the H100 (benchmarks/gemm_probe.py, each projection with its residual norm): up to 64 rows,
-# on outputs of at most 32 weight tiles (2048 features), which cuBLAS spreads over too few SMs; Qwen3-0.6B's
-# o + down went from 6.9 + 8.3 to 5.5 + 6.8 us at one row, 7.7 + 8.8 to 7.2 + 7.8 at 64, and were no faster at
-# 128. Llama 3 8B's 4096-wide outputs already cover the GPU: within +-5% of cuBLAS, so they keep it.
-MAX_ROWS = 64
+# Where it wins on the H100 (benchmarks/gemm_probe.py, each projection with its residual norm): on outputs of at
+# most 32 weight tiles (2048 features), which cuBLAS spreads over too few SMs, at every decode batch size;
+# Qwen3-0.6B's o + down went from 6.9 + 8.3 to 5.5 + 6.8 us at one row, 7.7 + 8.8 to 7.2 + 7.8 at 64, 7.3 + 8.8 to
+# 5.9 + 6.9 at 128 and 8.1 + 10.2 to 6.9 + 8.6 at 256. Llama 3 8B's 4096-wide outputs already cover the GPU:
+# within +-5% of cuBLAS, so they keep it.
+MAX_ROWS = 256
 MAX_OUTPUT_TILES = 32
 # SiLU-and-mul in the loads (`gated`) is recomputed by every program of a row tile: up to 16 rows that costs less
 # than the SiLU kernel (down_proj + norm 9.6 -> 8.3 us at one row); at 32 rows it breaks even and at 64 it loses
@@ -56,14 +58,15 @@ def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm, BM: tl.const
 
 
 def _config(m: int, n: int, k: int):
-    """(BM, BN, BK, SPLIT, num_stages, num_warps): split K until about one program per SM of the H100 for up to
-    16 rows, half that beyond (bigger row tiles: split 4 beat 8 at 32 and 64 rows in gemm_probe's sweeps)."""
-    bm = max(16, triton.next_power_of_2(m))
+    """(BM, BN, BK, SPLIT, num_stages, num_warps), from gemm_probe's sweeps on the H100: row tiles of at most 64
+    rows (128-row tiles lost at 96-256 rows), and K split until about one program per SM, half that for 17-64
+    rows (split 4 beat 8 at 32 and 64 rows; from 96 rows, two or more row tiles, a full wave won again)."""
+    bm = min(max(16, triton.next_power_of_2(m)), 64)
     bn, bk = 64, 128
     tiles = n // bn * triton.cdiv(m, bm)
-    programs = 128 if m <= 16 else 64
+    programs = 64 if 16 < m <= 64 else 128
     split = 1
-    while split < 8 and tiles * split < programs and k % (bk * split * 2) == 0:
+    while split < 8 and tiles * split * 2 <= programs and k % (bk * split * 2) == 0:
         split *= 2
     return bm, bn, bk, split, 4, 4
 
