@@ -251,13 +251,13 @@ def test_rms_norm_split_k_is_rms_norm_of_the_sum(parts):
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
-@pytest.mark.parametrize("tokens", [9, 37])
+@pytest.mark.parametrize("tokens", [9, 37, 100])
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 def test_qwen3_model_with_fused_kernels(tmp_path, monkeypatch, dtype, rel, tokens):
     """The layers' wiring: a Qwen3 (per-head q/k norm, 80-dim heads, in-place RoPE on the qkv output; in
     fp16 down_proj as a split-K GEMM whose partials the next residual norm sums, SiLU-and-mul applied as it
-    loads gate_up's output for up to 16 rows, by its own kernel for more; o_proj's K of 240 does not tile
-    for it) gives the same logits through the kernels as through the PyTorch code."""
+    loads gate_up's output for up to 16 rows, by its own kernel for more, in two row tiles for 100; o_proj's K of
+    240 does not tile for it) gives the same logits through the kernels as through the PyTorch code."""
     config = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=1, head_dim=80, max_position_embeddings=256,
                          architectures=["Qwen3ForCausalLM"])

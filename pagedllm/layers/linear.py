@@ -1,9 +1,9 @@
 """Projections whose output only goes into the residual stream (o_proj, down_proj).
 
-On the fused path, for a decode step's few rows, their GEMM is pagedllm's split-K kernel and the output stays
-as float32 partial sums that the next RMSNorm adds to the residual (pagedllm.ops.triton.linear says why this
-beats cuBLAS there). Everywhere else (CPU, float32, prefill-sized batches, fused kernels off) they are
-nn.Linear.
+On the fused path, for steps of up to linear.MAX_ROWS tokens (decode batches, short prefills), their GEMM is
+pagedllm's split-K kernel and the output stays as float32 partial sums that the next RMSNorm adds to the
+residual (pagedllm.ops.triton.linear says why this beats cuBLAS there). Everywhere else (CPU, float32, longer
+prefills, fused kernels off) they are nn.Linear.
 """
 from __future__ import annotations
 

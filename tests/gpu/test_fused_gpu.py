@@ -212,7 +212,7 @@ def test_kernels_replay_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 96, 256])
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 96, 160, 200, 256])
 # o_proj (not gated) and down_proj (gated: SiLU-and-mul of gate_up's output) of Qwen3-0.6B and Llama 3 8B
 @pytest.mark.parametrize("n,k,gated", [(1024, 2048, False), (1024, 3072, True), (4096, 4096, False),
                                        (4096, 14336, True)])

@@ -1,6 +1,6 @@
-"""x W^T as split-K partial sums, for the projections of a decode step (up to MAX_ROWS rows) whose output only
-feeds the residual stream (o_proj, down_proj): the residual RMSNorm that consumes them sums the partials
-(fused.rms_norm_split_k).
+"""x W^T as split-K partial sums, for the projections of steps of up to MAX_ROWS tokens (decode batches, short
+prefills) whose output only feeds the residual stream (o_proj, down_proj): the residual RMSNorm that consumes
+them sums the partials (fused.rms_norm_split_k).
 
 These projections have narrow outputs and long inputs (Qwen3-0.6B: N = 1024, K = 2048 / 3072), so cuBLAS
 covers the H100 with 16 output tiles and reads their 4-6 MB of weights at 0.7-0.9 TB/s (with the residual
@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import pdl
 
 # Where it wins on the H100 (benchmarks/gemm_probe.py, each projection with its residual norm): on outputs of at
-# most 32 weight tiles (2048 features), which cuBLAS spreads over too few SMs, at every decode batch size;
+# most 32 weight tiles (2048 features), which cuBLAS spreads over too few SMs, from 1 to 256 rows;
 # Qwen3-0.6B's o + down went from 6.9 + 8.3 to 5.5 + 6.8 us at one row, 7.7 + 8.8 to 7.2 + 7.8 at 64, 7.3 + 8.8 to
 # 5.9 + 6.9 at 128 and 8.1 + 10.2 to 6.9 + 8.6 at 256. Llama 3 8B's 4096-wide outputs already cover the GPU:
 # within +-5% of cuBLAS, so they keep it.
@@ -59,8 +59,9 @@ def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm, BM: tl.const
 
 def _config(m: int, n: int, k: int):
     """(BM, BN, BK, SPLIT, num_stages, num_warps), from gemm_probe's sweeps on the H100: row tiles of at most 64
-    rows (128-row tiles lost at 96-256 rows), and K split until about one program per SM, half that for 17-64
-    rows (split 4 beat 8 at 32 and 64 rows; from 96 rows, two or more row tiles, a full wave won again)."""
+    rows (128-row tiles lost at 96-256 rows), and K split as far as the programs stay within one wave of 128
+    (one per SM), 64 for 17-64 rows (split 4 beat 8 at 32 and 64 rows; 96 and 128 rows take 128 programs, 160-256
+    rows 96-128: split 2 beat 4 at 192)."""
     bm = min(max(16, triton.next_power_of_2(m)), 64)
     bn, bk = 64, 128
     tiles = n // bn * triton.cdiv(m, bm)
