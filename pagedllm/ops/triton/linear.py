@@ -20,9 +20,9 @@ from . import pdl
 
 # Where it wins on the H100 (benchmarks/gemm_probe.py, each projection with its residual norm): on outputs of at
 # most 32 weight tiles (2048 features), which cuBLAS spreads over too few SMs, from 1 to 256 rows;
-# Qwen3-0.6B's o + down went from 6.9 + 8.3 to 5.5 + 6.8 us at one row, 7.7 + 8.8 to 7.2 + 7.8 at 64, 7.3 + 8.8 to
-# 5.9 + 6.9 at 128 and 8.1 + 10.2 to 6.9 + 8.6 at 256. Llama 3 8B's 4096-wide outputs already cover the GPU:
-# within +-5% of cuBLAS, so they keep it.
+# Qwen3-0.6B's o + down went from 6.9 + 8.3 to 5.5 + 6.8 us at one row, 7.7 + 8.8 to 7.2 + 7.8 at 64, 7.5 + 9.6 to
+# 5.9 + 7.9 at 128 and 7.9 + 11.4 to 6.9 + 10.3 at 256. Llama 3 8B's 4096-wide outputs already cover the GPU
+# (within +-5% of cuBLAS up to 64 rows, 12-72% slower at 96-256), so they keep it.
 MAX_ROWS = 256
 MAX_OUTPUT_TILES = 32
 # SiLU-and-mul in the loads (`gated`) is recomputed by every program of a row tile: up to 16 rows that costs less
