@@ -1,12 +1,14 @@
-"""Where the decoder-layer kernel's time goes (pagedllm/ops/triton/decode_layer.py), timed as CUDA-graph replays:
-one layer in one persistent launch, the same layer as five launches (the default), each phase launched alone, the whole model's step
-through it, and the cost of one grid barrier. Random Qwen3-0.6B-shaped weights in bf16, one sequence at
+"""Where the Triton decoder-layer kernel's time goes (pagedllm/ops/triton/decode_layer.py), timed as CUDA-graph
+replays: one layer in one persistent launch, the same layer as five launches, each phase launched alone, the cost
+of one grid barrier; and the whole model's step through it and through the CUDA whole-model kernel
+(pagedllm/ops/cuda/decode_model.py). Random Qwen3-0.6B-shaped weights in bf16, one sequence at
 --context tokens. The same layer replays, so its 31 MB of weights partly stay in the L2: read the layer
 times as lower bounds of the engine's (its profile shows the kernel's time there).
 
     python benchmarks/decode_layer.py [--context 1024]
 """
 import argparse
+import os
 
 import torch
 import triton
@@ -14,7 +16,7 @@ import triton.language as tl
 
 from pagedllm.bench.shapes import model_dir_for
 from pagedllm.layers.attention import AttentionMetadata, set_forward_context
-from pagedllm.models import load_model
+from pagedllm.models import fused_decode, load_model
 from pagedllm.ops.triton import decode_layer
 
 BLOCK = 16
@@ -57,6 +59,37 @@ def _barriers(barrier, N: tl.constexpr, NPROG: tl.constexpr):
         decode_layer._grid_sync(barrier, (i + 1) * NPROG)
 
 
+def cuda_phases(model, ids, pos):
+    """The CUDA whole-model kernel's own timestamps of one step: per phase, the consumers' work and their wait at
+    the grid barrier after it (medians over blocks and the middle layers; attention's slowest block), and how far
+    ahead of the consumers the weight stream runs."""
+    kernel = model.model._fused_decode["cuda"].kernel
+    layers = len(model.model.layers)
+    kernel.trace = torch.zeros(kernel.num_blocks, layers, 14, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        model(ids, pos)
+    torch.cuda.synchronize()
+    t = kernel.trace.double()[:, 2:-2] / 1000  # us; the first and last layers ramp up and drain
+    kernel.trace = None
+    work = {name: t[:, :, 2 * i + 1] - t[:, :, 2 * i] for i, name in enumerate("ABCDE")}
+    wait = {name: t[:, :, 2 * i + 2] - t[:, :, 2 * i + 1] for i, name in enumerate("ABCD")}
+    per_layer = (t[0, 1:, 0] - t[0, :-1, 0]).median().item()
+    print(f"cuda kernel, one layer {per_layer:.1f} us; work / barrier wait per phase (median over blocks, us):")
+    norms = {"A": t[:, :, 12] - t[:, :, 0], "D": t[:, :, 13] - t[:, :, 6]}
+    for name in "ABCDE":
+        slowest = work[name].max(0).values.median().item()
+        line = f"  {name}: work {work[name].median().item():5.2f} (slowest block {slowest:5.2f})"
+        if name in norms:
+            line += f", its norm {norms[name].median().item():5.2f}"
+        if name in wait:
+            line += f", wait {wait[name].median().item():5.2f}"
+        print(line)
+    lead = (t[:, :, 0] - t[:, :, 10]).median().item()
+    issue = (t[:, :, 11] - t[:, :, 10]).median().item()
+    print(f"  weight stream: a layer's first stage issued {lead:.1f} us before the layer starts, its stages "
+          f"issued over {issue:.1f} us")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=1024)
@@ -76,8 +109,9 @@ def main():
     ids = torch.tensor([5], device="cuda")
     print(f"{torch.cuda.get_device_name()}, Qwen3-0.6B shape, bf16, context {ctx}")
     with set_forward_context(meta), torch.no_grad():
+        os.environ[fused_decode.ENV_VAR] = "triton"
         model(ids, pos)
-        decode = model.model._fused_decode[False]
+        decode = model.model._fused_decode["triton"]
         k, w, attn = decode.kernel, decode.weights[0], decode.attns[0]
         print(f"plans (rows per slice, slices) qkv/o/gate_up/down {k.plans}, {k.num_programs} programs, "
               f"{k.partitions} attention partitions per kv head")
@@ -95,7 +129,11 @@ def main():
                 print(f"phase {name:16} alone: {graph_time_us(lambda: layer(True)):6.1f} us")
         finally:
             decode_layer._decoder_layer_kernel = real
-        print(f"model forward (28 layers + final norm): {graph_time_us(lambda: model(ids, pos), 2):6.1f} us")
+        for mode in ("triton", "cuda"):
+            os.environ[fused_decode.ENV_VAR] = mode
+            forward = graph_time_us(lambda: model(ids, pos), 2)
+            print(f"model forward (28 layers + final norm), {mode:6}: {forward:6.1f} us")
+        cuda_phases(model, ids, pos)
     barrier = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def barriers(n):

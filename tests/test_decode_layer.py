@@ -136,7 +136,7 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context)
     attn = model.model.layers[0].self_attn
     kernel = DecoderLayerKernel(model.config.hidden_size, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                 dtype, torch.device("cpu"), num_programs=8)
-    model.model._fused_decode = {False: fused_decode.FusedDecode(model.model, kernel)}
+    model.model._fused_decode = {"triton": fused_decode.FusedDecode(model.model, kernel)}
     logits = _step(model, ids, pages, context - 1, 1)
     assert calls == [0, 1]  # the kernel ran each layer
     err = (logits - reference).abs().max() / reference.abs().max()
@@ -155,7 +155,7 @@ def test_padding_step_writes_nothing(tmp_path, monkeypatch):
                              torch.tensor([0], dtype=torch.int32), 0, None, None, None, 0, 0)
     with set_forward_context(meta), torch.no_grad():
         hidden = model(torch.tensor([3]), torch.tensor([0]))
-    assert model.model._fused_decode[False] is not None  # the kernel ran the step
+    assert model.model._fused_decode["triton"] is not None  # the kernel ran the step
     assert torch.isfinite(hidden).all()
     assert all(not t.any() for t in _caches(model))
 
@@ -169,3 +169,11 @@ def test_unsupported_shapes_are_named():
     assert "8 kv heads on 4 programs" in DecoderLayerKernel.unsupported(1024, 3072, 16, 8, 128, torch.bfloat16, 4)
     with pytest.raises(ValueError, match="decoder-layer kernel: head size 80"):
         DecoderLayerKernel(1024, 3072, 16, 8, 80, torch.bfloat16, torch.device("cpu"))
+
+
+def test_a_bad_mode_is_named(monkeypatch):
+    monkeypatch.setenv(fused_decode.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="PAGEDLLM_DECODE_LAYER='fast'.*triton, persistent, cuda"):
+        fused_decode.fused_decode(None, torch.tensor([5]))
+    monkeypatch.setenv(fused_decode.ENV_VAR, "0")
+    assert fused_decode.fused_decode(None, torch.tensor([5])) is None

@@ -1,15 +1,19 @@
-"""Decode steps of one sequence through the decoder-layer kernel (pagedllm.ops.triton.decode_layer): five
-launches per layer instead of ~9 kernels, for Llama-family models with 16-bit weights on the fused path.
+"""Decode steps of one sequence through a fused kernel, for Llama-family models with 16-bit weights on the fused
+path: by default the Triton decoder-layer kernel (pagedllm.ops.triton.decode_layer: five launches per layer
+instead of ~9 kernels).
 
 LlamaModel.forward asks `fused_decode` on every forward pass; it answers only for a decode-only step of one
 token (the forward context says so) whose layers the kernel covers, so everything else (prefills, batches,
 fp8 caches, ALiBi, biases outside q/k/v) keeps the layers' own path. PAGEDLLM_DECODE_LAYER: 0 turns it off
-(the layers' fused path then runs those steps, as before), "persistent" runs each layer as one launch with
-grid barriers (decode_layer says why that is not the default). Read at every step, so a test or an A/B run
-can switch it between steps.
+(the layers' fused path then runs those steps, as before); "persistent" runs each layer as one launch with
+grid barriers (decode_layer says why that is not the default); "cuda" runs the whole model as one CUDA launch
+whose weights stream independently of the layers' dependency chain (pagedllm/ops/cuda/decode_model.py;
+slower than the default so far, benchmarks/results/README.md), where the CUDA op library builds and the
+model fits it. Read at every step, so a test or an A/B run can switch it between steps.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -18,11 +22,14 @@ from pagedllm.layers.attention import Attention, get_forward_context
 from pagedllm.layers.linear import SplitKSums
 from pagedllm.layers.norm import fused_kernels
 
+logger = logging.getLogger(__name__)
+
 ENV_VAR = "PAGEDLLM_DECODE_LAYER"
+MODES = ("triton", "persistent", "cuda")
 
 
 class FusedDecode:
-    """The model's layers as the kernel reads them, and the kernel's plan; built once per model and mode."""
+    """The model's layers as the Triton kernel reads them, and the kernel's plan; built once per model and mode."""
 
     def __init__(self, model, kernel) -> None:
         self.kernel = kernel
@@ -54,35 +61,71 @@ def _layer_weights(layer):
         qk_eps=attn.q_norm.eps if attn.qk_norm else 0.0)
 
 
-def _build(model, device: torch.device, persistent: bool) -> FusedDecode | None:
-    from pagedllm.ops.triton.decode_layer import DecoderLayerKernel, default_programs
+class CudaDecode:
+    """The whole-model CUDA kernel's plan; built once per model."""
+
+    def __init__(self, model, kernel) -> None:
+        self.kernel = kernel
+        self.cos_sin_cache = model.rotary_emb.cos_sin_cache
+
+    def __call__(self, embedded: torch.Tensor, positions: torch.Tensor):
+        meta = get_forward_context()
+        x, residual = self.kernel(embedded, self.cos_sin_cache, positions, meta.slot_mapping, meta.decode_seq_lens,
+                                  meta.decode_block_tables)
+        return SplitKSums(x.view(1, 1, -1)), residual.view(1, -1)
+
+
+def _build(model, device: torch.device, mode: str) -> FusedDecode | CudaDecode | None:
     layer = model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     dtype = attn.qkv_proj.weight.dtype
     shape = (layer.input_layernorm.weight.shape[0], mlp.down_proj.in_features, attn.num_heads, attn.num_kv_heads,
              attn.head_dim, dtype)
     if (dtype not in (torch.float16, torch.bfloat16) or attn.attn.alibi_slopes is not None
-            or any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-            or DecoderLayerKernel.unsupported(*shape, default_programs(device)) is not None):
+            or any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
         return None
-    return FusedDecode(model, DecoderLayerKernel(*shape, device, persistent=persistent))
+    if mode == "cuda":
+        return _build_cuda(model, device, shape)
+    from pagedllm.ops.triton.decode_layer import DecoderLayerKernel, default_programs
+    if DecoderLayerKernel.unsupported(*shape, default_programs(device)) is not None:
+        return None
+    return FusedDecode(model, DecoderLayerKernel(*shape, device, persistent=mode == "persistent"))
 
 
-def fused_decode(model, input_ids: torch.Tensor) -> FusedDecode | None:
-    """The model's FusedDecode if this forward pass is a step it runs, else None."""
-    if input_ids.shape[0] != 1 or fused_kernels(input_ids) is None:
+def _build_cuda(model, device: torch.device, shape) -> CudaDecode | None:
+    from pagedllm.ops.cuda import CudaOpsUnavailable
+    from pagedllm.ops.cuda.decode_model import DecodeModelKernel
+    attn = model.layers[0].self_attn
+    attns = [layer.self_attn.attn for layer in model.layers]
+    if device.type != "cuda" or DecodeModelKernel.unsupported(*shape, attns[0].key_cache) is not None:
         return None
+    try:
+        return CudaDecode(model, DecodeModelKernel([_layer_weights(layer) for layer in model.layers], attns,
+                                                   attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                   attn.attn.scale, device))
+    except CudaOpsUnavailable as e:
+        logger.warning("%s=cuda: the CUDA op library is unavailable (%s); decode steps take the layers' path",
+                       ENV_VAR, e)
+        return None
+
+
+def fused_decode(model, input_ids: torch.Tensor) -> FusedDecode | CudaDecode | None:
+    """The model's fused decode plan if this forward pass is a step it runs, else None."""
     mode = os.environ.get(ENV_VAR, "1").strip().lower()
     if mode in ("0", "false", "off", "no"):
+        return None
+    mode = "triton" if mode in ("1", "true", "on", "yes") else mode
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r}: expected 0, 1 or one of " + ", ".join(MODES))
+    if input_ids.shape[0] != 1 or fused_kernels(input_ids) is None:
         return None
     meta = get_forward_context()
     if (meta.num_decode_tokens != 1 or meta.graph_split is not None
             or model.layers[0].self_attn.attn.kv_cache_dtype != "auto"):
         return None
-    persistent = mode == "persistent"
     plans = getattr(model, "_fused_decode", None)
     if plans is None:
-        plans = model._fused_decode = {}  # mode -> FusedDecode, or None where the kernel does not apply
-    if persistent not in plans:
-        plans[persistent] = _build(model, input_ids.device, persistent)
-    return plans[persistent]
+        plans = model._fused_decode = {}  # mode -> plan, or None where no kernel applies
+    if mode not in plans:
+        plans[mode] = _build(model, input_ids.device, mode)
+    return plans[mode]

@@ -44,4 +44,17 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                        const at::Tensor& v_scale);
 
+// One decode step of one sequence through every decoder layer in one launch (decode_model.cu). `layers`: int64
+// [num_layers, 11] device pointers per layer (input norm, qkv, qkv bias, q norm, k norm, o, post norm, gate_up,
+// down, key cache, value cache); the buffers are the step's scratch and results (x, residual). trace: optional
+// int64 [num_blocks, num_layers, 12] phase timestamps (decode_model.cu, kTracePoints).
+void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual, at::Tensor& res_mid,
+                     at::Tensor& qkv, at::Tensor& attn_part, at::Tensor& attn_out, at::Tensor& o_out,
+                     at::Tensor& act, at::Tensor& sync, const at::Tensor& layers, const at::Tensor& cos_sin_cache,
+                     const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
+                     const at::Tensor& block_table, int64_t hidden, int64_t inter, int64_t heads,
+                     int64_t kv_heads, int64_t head_size, int64_t block_size, int64_t cache_stride_block,
+                     int64_t cache_stride_head, int64_t num_blocks, double eps, double post_eps, double qk_eps,
+                     double scale, bool qk_norm, bool qkv_bias, const std::optional<at::Tensor>& trace);
+
 }  // namespace pagedllm
