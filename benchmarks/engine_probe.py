@@ -165,12 +165,14 @@ def probe_decode():
     graphs = eng.runner.decode_graphs
     targets, snaps, run = [256, 200, 150, 110, 90, 74, 60, 45, 32, 24, 18, 12, 8, 4, 2, 1], {}, graphs.run
 
-    def snapshot_run(input_ids, positions, slot_mapping, seq_lens, block_tables, max_seq_len):
+    def snapshot_run(size, max_seq_len):
+        inputs = graphs.inputs[size]
+        seq_lens, block_tables = inputs["decode_seq_lens"], inputs["decode_block_tables"]
         n = int((seq_lens > 0).sum())
         for t in targets:
             if n <= t and t not in snaps:
                 snaps[t] = (seq_lens[:n].clone(), block_tables[:n].clone())
-        return run(input_ids, positions, slot_mapping, seq_lens, block_tables, max_seq_len=max_seq_len)
+        return run(size, max_seq_len=max_seq_len)
 
     graphs.run = snapshot_run
     while eng.has_unfinished_requests():
@@ -270,7 +272,7 @@ def probe_graph_launch():
             with set_forward_context(graphs._metadata(bs, bound)):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=graphs.graphs[bs, bound].pool()):
-                    model(graphs.input_ids[:bs], graphs.positions[:bs])
+                    model(graphs.inputs[bs]["input_ids"], graphs.inputs[bs]["positions"])
             torch.cuda.synchronize()
             times = []
             for _ in range(3):

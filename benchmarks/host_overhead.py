@@ -10,8 +10,12 @@ With --device cuda (and e.g. --model qwen3-0.6b) the same columns are host times
 step: forward, logits and sampler are launch costs (a CUDA graph replay for decode steps), and
 postprocess, which reads back the previous step's sampled ids, also waits there for the GPU.
 
+On the CPU, decode steps run eagerly unless --cpu-decode-graphs installs stand-ins for the decode CUDA graphs
+that skip the forward pass: decode steps then take the graph path's host code (inputs sent into the graphs'
+buffers) and sample from zero hidden states.
+
     python benchmarks/host_overhead.py [--num-requests 256] [--sampling greedy|mixed] [--profile 30]
-                                       [--model tiny|qwen3-0.6b|...] [--device cpu|cuda]
+                                       [--model tiny|qwen3-0.6b|...] [--device cpu|cuda] [--cpu-decode-graphs]
 """
 from __future__ import annotations
 
@@ -22,11 +26,13 @@ import functools
 import pstats
 import random
 import time
+import types
 
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.shapes import model_dir_for
+from pagedllm.worker.cuda_graph import DecodeGraphs
 
 COMPONENTS = ("schedule", "prepare", "forward", "logits", "sampler", "execute_other", "postprocess")
 
@@ -38,6 +44,19 @@ def sampling_params(kind: str, output_len: int, index: int) -> SamplingParams:
     return SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.01, repetition_penalty=1.1,
                           frequency_penalty=0.1, presence_penalty=0.1, seed=index if index % 2 else None,
                           max_tokens=output_len, ignore_eos=True)
+
+
+def install_cpu_decode_graphs(runner) -> None:
+    """Stand-ins for the decode CUDA graphs on the CPU whose replays do nothing and leave zero hidden states, so
+    a decode step times the graph path's host code alone: a GPU's replay costs the host little, while a CPU
+    forward pass would also evict the host code's data from the caches."""
+    cfg = runner.config
+    graphs = DecodeGraphs(runner.model, runner.device, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
+    for bs in graphs.sizes:
+        for bound in graphs.bounds_of(bs):
+            graphs.graphs[bs, bound] = types.SimpleNamespace(replay=lambda: None)
+            graphs.outputs[bs, bound] = torch.zeros(bs, runner.hf_config.hidden_size, dtype=runner.dtype)
+    runner.decode_graphs = graphs
 
 
 class StepTimer:
@@ -128,6 +147,8 @@ def run(args) -> None:
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*args.input_len))]
                for _ in range(args.num_requests)]
     params = [sampling_params(args.sampling, rng.randint(*args.output_len), i) for i in range(len(prompts))]
+    if args.cpu_decode_graphs:
+        install_cpu_decode_graphs(llm.engine.runner)
     llm.generate([[1] * 8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
 
     profiler = cProfile.Profile() if args.profile else None
@@ -170,9 +191,14 @@ def main() -> None:
                         help="only decode-only steps with at least this many sequences are averaged")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--sampling", choices=("greedy", "mixed"), default="greedy")
+    parser.add_argument("--cpu-decode-graphs", action="store_true",
+                        help="on the CPU, decode steps through stand-ins for the decode CUDA graphs")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also cProfile the run (all but the model forward) and print the top N functions")
-    run(parser.parse_args())
+    args = parser.parse_args()
+    if args.cpu_decode_graphs and args.device != "cpu":
+        parser.error("--cpu-decode-graphs is for --device cpu")
+    run(args)
 
 
 if __name__ == "__main__":

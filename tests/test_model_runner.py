@@ -1,13 +1,18 @@
-"""ModelRunner.prepare: the vectorized step inputs equal a per-token construction, through chunked prefills,
-prefix-cache hits and preemptions (tiny random-weight model, CPU)."""
+"""ModelRunner on the tiny random-weight model (CPU): the vectorized step inputs equal a per-token construction
+through chunked prefills, prefix-cache hits and preemptions; the upload fills placeholder input ids from the
+previous samples; decode steps through the decode graphs' static inputs sample what eager steps do."""
 import math
 import random
 
 import numpy as np
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.shapes import model_dir_for
+from pagedllm.layers.attention import set_forward_context
+from pagedllm.worker.cuda_graph import DecodeGraphs
+from pagedllm.worker.model_runner import StepInputs
 
 
 def reference_inputs(items, block_ids_of, bs):
@@ -88,3 +93,77 @@ def test_prepare_matches_a_per_token_reference(options):
         assert engine.stats()["num_preemptions"] > 0
     else:
         assert engine.stats()["prefix_cache_hits"] > 0
+
+
+class EagerGraph:
+    """Stands in for one of DecodeGraphs' CUDA graphs on the CPU: a replay runs the model on the static inputs."""
+
+    def __init__(self, graphs: DecodeGraphs, bs: int, bound: int, replays: list) -> None:
+        self.graphs, self.bs, self.bound, self.replays = graphs, bs, bound, replays
+
+    def replay(self) -> None:
+        graphs, inputs = self.graphs, self.graphs.inputs[self.bs]
+        with set_forward_context(graphs._metadata(self.bs, self.bound)):
+            graphs.outputs[self.bs, self.bound] = graphs.model(inputs["input_ids"], inputs["positions"])
+        self.replays.append((self.bs, self.bound))
+
+
+def decode_graphs_on_cpu(runner) -> list:
+    """Gives the runner DecodeGraphs whose graphs run eagerly; returns the list of (size, bound) replayed."""
+    cfg, replays = runner.config, []
+    graphs = DecodeGraphs(runner.model, runner.device, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
+    graphs.graphs = {(bs, bound): EagerGraph(graphs, bs, bound, replays)
+                     for bs in graphs.sizes for bound in graphs.bounds_of(bs)}
+    runner.decode_graphs = graphs
+    return replays
+
+
+@pytest.mark.parametrize("graph_step", [False, True])
+@pytest.mark.parametrize("placeholders", [[[0, 1], [2, 0]], [[1, 2], [3, 0]], [[], []]])
+def test_upload_sends_the_arrays_and_fills_placeholders(graph_step, placeholders):
+    """Into new tensors or a decode graph's static inputs (each array in its buffer's leading corner), and
+    placeholder rows, 0..k-1 (one gather into them) or any others, take the previous step's samples."""
+    llm = LLM(model_dir_for("tiny"), load_format="dummy", device="cpu", max_model_len=64, max_num_seqs=8)
+    runner = llm.engine.runner
+    decode_graphs_on_cpu(runner)
+    runner.decode_graphs.buffer.fill_(0x7F)  # stale bytes that no array holds
+    runner._sampled_ids = torch.tensor([10, 11, 12, 13])
+    empty = np.zeros(0, dtype=np.int32)
+    step = StepInputs(
+        input_ids=np.array([5, 0, 0, 7]), placeholders=np.array(placeholders, dtype=np.int64).reshape(2, -1),
+        positions=np.array([3, 9, 17, 2]), slot_mapping=np.array([3, 25, 49, -1]), num_decodes=4,
+        decode_block_tables=np.array([[0, 0], [1, 0], [2, 3], [4, 5]], dtype=np.int32),
+        decode_seq_lens=np.array([4, 10, 18, 0], dtype=np.int32), prefill_block_tables=np.zeros((0, 0), np.int32),
+        prefill_seq_lens=empty, prefill_query_start_loc=np.zeros(1, dtype=np.int32),
+        logits_indices=np.array([0, 1, 2]))
+    expected = step.input_ids.copy()
+    expected[step.placeholders[0]] = runner._sampled_ids.numpy()[step.placeholders[1]]
+    with torch.inference_mode():
+        dev = runner._upload(step, runner.decode_graphs.inputs[4] if graph_step else None)
+    for name in ("positions", "slot_mapping", "placeholders", "logits_indices", "decode_seq_lens",
+                 "decode_block_tables"):
+        want = getattr(step, name)
+        assert dev[name][tuple(slice(0, n) for n in want.shape)].tolist() == want.tolist()
+    assert dev["input_ids"].tolist() == expected.tolist()
+
+
+def test_graph_steps_sample_what_eager_steps_do():
+    """Decode steps through DecodeGraphs' static inputs (its graphs replaced by eager runs: capturing needs a GPU)
+    against eager ones: batches padded to several captured sizes whose input layouts overlap in one buffer,
+    several context bounds, placeholders whose sources move as requests come and go, preemption, sampling that
+    waits for each step (penalties)."""
+    options = dict(load_format="dummy", device="cpu", max_model_len=128, num_kv_blocks=24, max_num_seqs=6,
+                   max_num_batched_tokens=64, block_size=8)
+    graph_llm = LLM(model_dir_for("tiny"), **options)
+    eager_llm = LLM(model_dir_for("tiny"), **options)
+    replays = decode_graphs_on_cpu(graph_llm.engine.runner)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(2, 40))] for _ in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(5, 60), ignore_eos=True) for _ in prompts]
+    params[3] = SamplingParams(temperature=0.8, top_k=20, seed=1, max_tokens=40, ignore_eos=True)
+    params[7] = SamplingParams(temperature=0.0, repetition_penalty=1.2, max_tokens=30, ignore_eos=True)
+    outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+               for llm in (graph_llm, eager_llm)]
+    assert outputs[0] == outputs[1]
+    assert {bs for bs, _ in replays} == {1, 2, 4, 6} and len({bound for _, bound in replays}) > 1
+    assert graph_llm.engine.stats()["num_preemptions"] > 0

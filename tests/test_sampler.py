@@ -264,3 +264,20 @@ def test_logprobs_in_a_mixed_batch():
         assert set(lp) == set(torch.topk(ref, n).indices.tolist()) | {out.token_ids[i]}
         for tok, val in lp.items():
             assert val == pytest.approx(float(ref[tok]), abs=1e-5)
+
+
+def test_reused_host_buffers_keep_every_output():
+    """The sampler copies each step's samples into one of a few reused host buffers; one comes round again
+    while its output is still unread (more steps queued than buffers), so it is read first: no output loses its
+    tokens or logprobs to a later step's."""
+    sampler = Sampler(torch.device("cpu"), 0)
+    num_steps = 3 * len(sampler.host_buffers.slots) + 1
+    steps = [torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(i)) for i in range(num_steps)]
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=2)]
+    outputs = [sampler(logits.clone(), [make_request(str(i), **kw) for i, kw in enumerate(kinds)])
+               for logits in steps]
+    for logits, out in zip(steps, outputs):
+        assert out.token_ids == logits.argmax(-1).tolist()
+        expected = torch.log_softmax(logits[1], -1)
+        assert out.logprobs[0] is None
+        assert out.logprobs[1] == pytest.approx({t: expected[t].item() for t in expected.topk(2).indices.tolist()})

@@ -17,29 +17,31 @@ import torch
 from pagedllm.engine.request import Request
 from pagedllm.layers.norm import fused_kernels
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views
 
 # Columns of the per-step parameter table, one row per request.
 _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(7)
 
 
 class SamplerOutput:
-    """One step's sampled ids (and requested logprobs), computed on the device. On CUDA they are copied back
-    as soon as the sampler has queued them, so reading token_ids waits for this step's work only, not for
+    """One step's sampled ids (and requested logprobs), computed on the device. They are copied into a host
+    buffer as soon as the sampler has queued them, so reading token_ids waits for this step's work only, not for
     work queued after it (the next step, when steps overlap)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprob_rows: list[int] = (), num_top: list[int] = (),
-                 logprob_tensors: tuple[torch.Tensor, ...] = ()) -> None:
+    def __init__(self, buffers: HostBuffers, token_ids: torch.Tensor, logprob_rows: list[int] = (),
+                 num_top: list[int] = (), logprob_tensors: tuple[torch.Tensor, ...] = ()) -> None:
         self.device_token_ids = token_ids
         self._logprob_rows, self._num_top = logprob_rows, num_top
-        tensors = (token_ids, *logprob_tensors)
-        self._ready = None
-        if token_ids.is_cuda:
-            tensors = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                            for t in tensors)
-            self._ready = torch.cuda.Event()
-            self._ready.record(torch.cuda.current_stream(token_ids.device))
-        self._host = tensors
         self._lists: tuple[list[int], list[dict[int, float] | None]] | None = None
+        tensors = (token_ids, *logprob_tensors)
+        specs = [(t.dtype, t.shape) for t in tensors]
+        # The buffer is taken back only after this output has been read (_read).
+        buffer, self._ready = buffers.take(packed_size(specs), release=self._read)
+        self._host = packed_views(buffer, specs)
+        for host, t in zip(self._host, tensors):
+            host.copy_(t, non_blocking=True)
+        if self._ready is not None:
+            self._ready.record(torch.cuda.current_stream(token_ids.device))
 
     @property
     def token_ids(self) -> list[int]:
@@ -115,6 +117,8 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # The engine reads a step's samples one step later, so two buffers would do; a third is a margin.
+        self.host_buffers = HostBuffers(device, 3)
 
     def _state(self, request: Request) -> _RequestState:
         if request.sampler_state is None:
@@ -145,7 +149,7 @@ class Sampler:
                            if r.num_output_tokens + r.num_placeholders <= r.sampling_params.min_tokens]
         if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows):
             # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
-            return SamplerOutput(greedy_tokens(logits))
+            return SamplerOutput(self.host_buffers, greedy_tokens(logits))
 
         logits = logits.float()
         batch, vocab = logits.shape
@@ -179,12 +183,13 @@ class Sampler:
                                    [params[random_rows[j]].top_k for j in filtered_rows])
             tokens = random.put(tokens, sampled)
         if not logprob_rows:
-            return SamplerOutput(tokens)
+            return SamplerOutput(self.host_buffers, tokens)
         # Logprobs of the sampled token and of each row's top-n tokens, read back with the tokens.
         num_top = [params[i].logprobs for i in logprob_rows]
         sampled_logprobs = raw_logprobs.gather(1, tokens[logprob_idx].unsqueeze(1)).squeeze(1)
         top = raw_logprobs.topk(max(num_top), dim=-1)
-        return SamplerOutput(tokens, logprob_rows, num_top, (sampled_logprobs, top.values, top.indices))
+        return SamplerOutput(self.host_buffers, tokens, logprob_rows, num_top,
+                             (sampled_logprobs, top.values, top.indices))
 
     def _sample(self, logits: torch.Tensor, table: torch.Tensor, requests: list[Request], filtered: _Rows,
                 filtered_top_k: list[int]) -> torch.Tensor:

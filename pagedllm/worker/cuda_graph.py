@@ -4,11 +4,12 @@ A step launches ~10 kernels per layer and Python spends longer launching most of
 running them, so steps replay captured graphs instead:
 
 - DecodeGraphs: decode-only steps, the whole forward pass in one graph per batch size of a ladder. The step's
-  inputs (already on the device, padded up to the next captured size with rows that write no KV (slot -1)
-  and attend to nothing (seq_len 0)) are copied into static buffers. A graph planned for max_seq_len = L
-  serves every step whose sequences are at most L long. Large batches are captured at L = max_model_len;
-  small ones (up to SPLIT_MAX_BATCH) split each sequence's context across the GPU by a plan that depends on
-  L, so they are captured at a ladder of context bounds and a step replays the smallest that holds it.
+  arrays, padded up to the next captured size with rows that write no KV (slot -1) and attend to nothing
+  (seq_len 0), are sent from the host straight into the graph's static buffers. A graph planned for
+  max_seq_len = L serves every step whose sequences are at most L long. Large batches are captured at
+  L = max_model_len; small ones (up to SPLIT_MAX_BATCH) split each sequence's context across the GPU by a plan
+  that depends on L, so they are captured at a ladder of context bounds and a step replays the smallest that
+  holds it.
 - PiecewiseGraphs: any other step (prefills, mixed batches) up to PIECEWISE_MAX_TOKENS, one graph per layer
   boundary per token count of a ladder: everything but the attention kernels, whose launch grids depend on
   the step's sequences, is captured; attention runs eagerly between the replays. A step is padded up to the
@@ -21,6 +22,7 @@ import math
 import torch
 
 from pagedllm.layers.attention import Attention, AttentionMetadata, set_forward_context
+from pagedllm.worker.buffers import packed_size, packed_views
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Token counts of the piecewise graphs: doubling while a step is small enough that padding costs little, then
@@ -54,13 +56,12 @@ class DecodeGraphs(_Ladder):
         self.sizes = [s for s in CAPTURE_SIZES if s <= max_num_seqs]
         if max_num_seqs not in self.sizes and max_num_seqs < CAPTURE_SIZES[-1]:
             self.sizes.append(max_num_seqs)
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, math.ceil(max_model_len / block_size), dtype=torch.int32,
-                                        device=device)
+        # Each size's static inputs lie packed at the start of one buffer, so that a step's arrays reach them in
+        # one copy from the host (ModelRunner._upload); the sizes' layouts overlap, as one graph runs at a time.
+        specs = {bs: _input_specs(bs, math.ceil(max_model_len / block_size)) for bs in self.sizes}
+        self.buffer = torch.zeros(max(packed_size(s.values()) for s in specs.values()), dtype=torch.uint8,
+                                  device=device)
+        self.inputs = {bs: dict(zip(spec, packed_views(self.buffer, spec.values()))) for bs, spec in specs.items()}
         self.context_bounds = sorted({math.ceil(max_model_len / 2 ** i) for i in range(CONTEXT_BOUNDS)})
         # (batch size, context bound) -> graph and its output
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -70,47 +71,64 @@ class DecodeGraphs(_Ladder):
         return self.context_bounds if bs <= SPLIT_MAX_BATCH else [self.max_model_len]
 
     def _metadata(self, bs: int, bound: int) -> AttentionMetadata:
+        inputs = self.inputs[bs]
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], num_decode_tokens=bs,
-            decode_block_tables=self.block_tables[:bs], decode_seq_lens=self.seq_lens[:bs],
+            slot_mapping=inputs["slot_mapping"], num_decode_tokens=bs,
+            decode_block_tables=inputs["decode_block_tables"], decode_seq_lens=inputs["decode_seq_lens"],
             decode_max_seq_len=bound, prefill_block_tables=None, prefill_seq_lens=None,
             prefill_query_start_loc=None, prefill_max_query_len=0, prefill_max_seq_len=0)
+
+    def _pad(self, bs: int) -> None:
+        """Sets the inputs of size bs to a step of padding rows only (slot -1, seq_len 0), which writes nothing."""
+        self.buffer.zero_()
+        self.inputs[bs]["slot_mapping"].fill_(-1)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         # Largest first, so the smaller graphs reuse its memory pool.
         for bs in reversed(self.sizes):
+            inputs = self.inputs[bs]
             for bound in reversed(self.bounds_of(bs)):
+                self._pad(bs)
                 with set_forward_context(self._metadata(bs, bound)):
                     # A run outside the graph compiles every kernel for this shape before capture.
-                    self.model(self.input_ids[:bs], self.positions[:bs])
+                    self.model(inputs["input_ids"], inputs["positions"])
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[bs, bound] = self.model(self.input_ids[:bs], self.positions[:bs])
+                        self.outputs[bs, bound] = self.model(inputs["input_ids"], inputs["positions"])
                 pool = graph.pool()
                 self.graphs[bs, bound] = graph
         # A graph's first launch uploads it to the device (0.3 ms of host time on the H100, benchmarks/
-        # engine_probe.py graph-launch), which would land on the first step of each shape mid-run. The static
-        # inputs are padding here (slot -1, seq_len 0): these replays write nothing.
-        for graph in self.graphs.values():
+        # engine_probe.py graph-launch), which would land on the first step of each shape mid-run. These
+        # replays of padding write nothing.
+        for (bs, _), graph in self.graphs.items():
+            self._pad(bs)
             graph.replay()
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-        """Hidden states of a decode-only step from its inputs on the device, already padded to a captured
-        size; max_seq_len: its longest sequence."""
-        bs = input_ids.shape[0]
+    def run(self, bs: int, max_seq_len: int) -> torch.Tensor:
+        """Hidden states [bs, hidden] of a decode-only step padded to the captured size bs, whose arrays are in
+        self.inputs[bs]; max_seq_len: its longest sequence. Valid until the next run()."""
         key = bs, next(b for b in self.bounds_of(bs) if b >= max_seq_len)
-        for static, new in ((self.input_ids, input_ids), (self.positions, positions),
-                            (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
-            static[:bs].copy_(new)
-        # Entries past a row's width are stale but never read: kernels stop at ceil(seq_len / block_size).
-        self.block_tables[:bs, :block_tables.shape[1]].copy_(block_tables)
         self.graphs[key].replay()
         return self.outputs[key]
+
+
+def _input_specs(bs: int, width: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A decode step's arrays (StepInputs' names) in the order of the packed static buffers: the graph's inputs,
+    and placeholders and logits_indices, which the runner uses beside the graph, sent in the same copy.
+
+    The block table comes last, its rows as wide as max_model_len's blocks. A step's narrower table fills the
+    start of each row and the copy ends after its last row's blocks, so it carries nearly the whole table (4 * B *
+    max_model_len / block_size bytes for B rows: 256 KiB at 256 rows of 4096 tokens, 2.5 MiB of 40960), the
+    entries past the step's blocks holding whatever the host buffer held. Kernels never read those: they stop at
+    ceil(seq_len / block_size)."""
+    return {"input_ids": (torch.int64, (bs,)), "positions": (torch.int64, (bs,)),
+            "slot_mapping": (torch.int64, (bs,)), "placeholders": (torch.int64, (2, bs)),
+            "logits_indices": (torch.int64, (bs,)), "decode_seq_lens": (torch.int32, (bs,)),
+            "decode_block_tables": (torch.int32, (bs, width))}
 
 
 class PiecewiseGraphs(_Ladder):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, greedy_tokens
+from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views
 from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
@@ -140,41 +142,42 @@ class ModelRunner:
         rows = [_block_row(it.request, blocks_of(it.request), self.max_blocks_per_seq) for it in items]
         widths = -(-seq_lens // bs)
 
-        # Decodes: one token each, so every per-token array is a per-row array.
+        # Decodes: one token each, so their per-token arrays are per-row arrays; the prefills' tokens follow.
         d = slice(0, num_decodes)
         num_rows = max(num_rows, num_decodes)
+        num_tokens = num_rows + sum(it.num_new_tokens for it in items[num_decodes:])
         decode_table = _block_table(rows[d], widths[d], num_rows)
-        input_ids = np.zeros(num_rows, dtype=np.int64)
+        input_ids = np.zeros(num_tokens, dtype=np.int64)
         input_ids[d] = [toks[c] if c < len(toks) else 0 for toks, c in
                         ((it.request.all_token_ids, it.num_computed_tokens) for it in items[d])]
         placeholder_rows = [i for i, it in enumerate(items[d]) if it.num_computed_tokens == it.request.num_tokens]
         placeholders = np.array([placeholder_rows, [self._sampled_rows[items[i].request.request_id]
                                                     for i in placeholder_rows]], dtype=np.int64)
-        positions = np.zeros(num_rows, dtype=np.int64)
+        positions = np.zeros(num_tokens, dtype=np.int64)
         positions[d] = starts[d]
-        slots = np.full(num_rows, -1, dtype=np.int64)
+        slots = np.full(num_tokens, -1, dtype=np.int64)
         slots[d] = decode_table[np.arange(num_decodes), starts[d] // bs] * bs + starts[d] % bs
         decode_seq_lens = np.zeros(num_rows, dtype=np.int32)
         decode_seq_lens[d] = seq_lens[d]
 
         # Prefills: a run of tokens each.
         p = slice(num_decodes, len(items))
-        prefill_ids, prefill_positions, prefill_slots = [], [], []
+        first = num_rows  # a prefill's first token
         for it, row, start, end in zip(items[p], rows[p], starts[p].tolist(), seq_lens[p].tolist()):
-            pos = np.arange(start, end)
-            prefill_ids.append(np.array(it.request.all_token_ids[start:end], dtype=np.int64))
-            prefill_positions.append(pos)
-            prefill_slots.append(row[pos // bs] * bs + pos % bs)
+            t = slice(first, first + end - start)
+            input_ids[t] = it.request.all_token_ids[start:end]
+            positions[t] = pos = np.arange(start, end)
+            slots[t] = row[pos // bs] * bs + pos % bs
+            first = t.stop
+        query_start_loc = np.zeros(len(items) - num_decodes + 1, dtype=np.int32)
+        np.cumsum(num_new[p], out=query_start_loc[1:])
 
         sample = np.array([it.sample for it in items], dtype=bool)
         return StepInputs(
-            input_ids=np.concatenate([input_ids, *prefill_ids]), placeholders=placeholders,
-            positions=np.concatenate([positions, *prefill_positions]),
-            slot_mapping=np.concatenate([slots, *prefill_slots]), num_decodes=num_decodes,
-            decode_block_tables=decode_table, decode_seq_lens=decode_seq_lens,
+            input_ids=input_ids, placeholders=placeholders, positions=positions, slot_mapping=slots,
+            num_decodes=num_decodes, decode_block_tables=decode_table, decode_seq_lens=decode_seq_lens,
             prefill_block_tables=_block_table(rows[p], widths[p], len(items) - num_decodes),
-            prefill_seq_lens=seq_lens[p].astype(np.int32),
-            prefill_query_start_loc=np.concatenate([[0], np.cumsum(num_new[p])]).astype(np.int32),
+            prefill_seq_lens=seq_lens[p].astype(np.int32), prefill_query_start_loc=query_start_loc,
             logits_indices=(np.cumsum(num_new) - 1)[sample],
         )
 
@@ -196,13 +199,25 @@ class ModelRunner:
             sparse_prefill=self.sparse_prefill if long_prefill else None,
         )
 
-    def _upload(self, step: StepInputs) -> dict[str, torch.Tensor]:
+    def _upload(self, step: StepInputs, static: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The step's arrays on the device (one copy), with placeholder input ids filled in from the previous
-        step's samples."""
-        dev = dict(zip(_UPLOADED, self.uploader(*(getattr(step, name) for name in _UPLOADED))))
-        rows, sources = dev["placeholders"]
-        if len(rows):
-            dev["input_ids"][rows] = self._sampled_ids[sources]
+        step's samples: as new tensors, or in the leading corners of a decode graph's static inputs
+        (DecodeGraphs.inputs) for a graph step."""
+        if static is None:
+            dev = dict(zip(_UPLOADED, self.uploader(*(getattr(step, name) for name in _UPLOADED))))
+        else:
+            self.uploader.into(self.decode_graphs.buffer, static.values(), [getattr(step, name) for name in static])
+            dev = static
+        rows = step.placeholders[0]
+        k = len(rows)
+        if k:
+            dev_rows, dev_sources = dev["placeholders"][:, :k]
+            if rows[-1] == k - 1:
+                # Rows 0..k-1, as when every decode row's token is on its way (the steady state): one gather
+                # straight into them.
+                torch.index_select(self._sampled_ids, 0, dev_sources, out=dev["input_ids"][:k])
+            else:
+                dev["input_ids"].index_copy_(0, dev_rows, self._sampled_ids.index_select(0, dev_sources))
         return dev
 
     @torch.inference_mode()
@@ -217,13 +232,12 @@ class ModelRunner:
         if not items:
             return [], None
         decode_only = items[-1].num_new_tokens == 1
-        if self.decode_graphs is not None and decode_only and self.decode_graphs.fits(len(items)):
-            step = self.prepare(items, blocks_of, self.decode_graphs.padded_size(len(items)))
-            dev = self._upload(step)
-            hidden = self.decode_graphs.run(*(dev[name] for name in ("input_ids", "positions", "slot_mapping",
-                                                                     "decode_seq_lens", "decode_block_tables")),
-                                            max_seq_len=int(step.decode_seq_lens.max()))
-            hidden = hidden[:len(items)]
+        graphs = self.decode_graphs
+        if graphs is not None and decode_only and graphs.fits(len(items)):
+            size = graphs.padded_size(len(items))
+            step = self.prepare(items, blocks_of, size)
+            dev = self._upload(step, graphs.inputs[size])
+            hidden = graphs.run(size, max_seq_len=int(step.decode_seq_lens.max()))
         else:
             step = self.prepare(items, blocks_of)
             dev = self._upload(step)
@@ -236,7 +250,10 @@ class ModelRunner:
         sampling = [it.request for it in items if it.sample]
         if not sampling:
             return [], None
-        logits = self.model.compute_logits(hidden[dev["logits_indices"]])
+        # When rows 0..n-1 sample (every row of a decode-only step, as a rule), a slice replaces the gather.
+        n = len(sampling)
+        hidden = hidden[:n] if step.logits_indices[-1] == n - 1 else hidden[dev["logits_indices"][:n]]
+        logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, sampling)
         self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
         self._sampled_ids = out.device_token_ids
@@ -244,43 +261,40 @@ class ModelRunner:
 
 
 class Uploader:
-    """Host->device transfer of a step's small arrays: packed into one pinned buffer and sent in one copy,
-    instead of a pinned allocation and a copy per array. Pinned buffers are reused round-robin, each written
-    again only once its previous copy has run (an event per buffer)."""
-
-    ALIGN = 16  # bytes: every array starts where any dtype's view may start
+    """Host->device transfer of a step's small arrays in one copy: they are written into a host buffer laid out
+    as their device destination, instead of a pinned allocation and a copy per array."""
 
     def __init__(self, device: torch.device, num_buffers: int = 3) -> None:
         self.device = device
-        self.buffers: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * num_buffers
-        self.next = 0
+        self.buffers = HostBuffers(device, num_buffers)
 
     def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """The arrays as new device tensors (on the CPU, the arrays themselves)."""
         arrays = [np.ascontiguousarray(a) for a in arrays]
         if self.device.type != "cuda":
             return [torch.from_numpy(a) for a in arrays]
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.nbytes // self.ALIGN) * self.ALIGN
-        buffer, copied = self._buffer(total)
-        host = buffer.numpy()
-        for a, offset in zip(arrays, offsets):
-            host[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
-        packed = buffer[:total].to(self.device, non_blocking=True)
-        copied.record(torch.cuda.current_stream(self.device))
-        return [packed[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-                for a, offset in zip(arrays, offsets)]
+        specs = [(_TORCH_DTYPES[a.dtype], a.shape) for a in arrays]
+        packed = torch.empty(packed_size(specs), dtype=torch.uint8, device=self.device)
+        views = packed_views(packed, specs)
+        self.into(packed, views, arrays)
+        return views
 
-    def _buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        i, self.next = self.next, (self.next + 1) % len(self.buffers)
-        entry = self.buffers[i]
-        if entry is not None:
-            entry[1].synchronize()
-        if entry is None or entry[0].numel() < nbytes:
-            size = max(nbytes, 2 * entry[0].numel()) if entry is not None else max(nbytes, 1 << 16)
-            entry = self.buffers[i] = (torch.empty(size, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
-        return entry
+    def into(self, buffer: torch.Tensor, views: Iterable[torch.Tensor], arrays: Iterable[np.ndarray]) -> None:
+        """Writes each array into the leading corner of its view, a view of the device buffer (uint8) with the
+        array's dtype, in one copy of the buffer's bytes from the first to the last one written: the other bytes
+        in that range (parts of the views past the arrays) may change."""
+        host, copied = self.buffers.take(buffer.numel())  # laid out as the device buffer
+        host_bytes, base, start, end = host.numpy(), buffer.data_ptr(), buffer.numel(), 0
+        for view, a in zip(views, arrays):
+            if a.size:
+                offset, strides = view.data_ptr() - base, [s * a.itemsize for s in view.stride()]
+                np.ndarray(a.shape, a.dtype, host_bytes, offset, strides)[...] = a
+                start = min(start, offset)
+                end = max(end, offset + sum((n - 1) * s for n, s in zip(a.shape, strides)) + a.itemsize)
+        if start < end:
+            buffer[start:end].copy_(host[start:end], non_blocking=True)
+        if copied is not None:
+            copied.record(torch.cuda.current_stream(self.device))
 
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
@@ -331,7 +345,7 @@ def _block_row(request: Request, blocks: list[KVCacheBlock], capacity: int) -> n
 
 def _block_table(rows: list[np.ndarray], widths: np.ndarray, num_rows: int) -> np.ndarray:
     """int32 [num_rows, widest row's width]: the rows, then zero rows."""
-    table = np.zeros((num_rows, int(widths.max(initial=0))), dtype=np.int32)
+    table = np.zeros((num_rows, int(widths.max()) if rows else 0), dtype=np.int32)
     if rows:
-        np.stack([row[:table.shape[1]] for row in rows], out=table[:len(rows)], casting="same_kind")
+        table[:len(rows)] = [row[:table.shape[1]] for row in rows]  # (np.stack takes twice as long)
     return table

@@ -1,0 +1,60 @@
+"""Byte buffers for the small copies between host and device that every step makes: several tensors packed into
+one buffer (one copy instead of one per tensor), and host buffers reused from step to step."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Sequence
+
+import torch
+
+ALIGN = 16  # bytes: every packed tensor starts where any dtype's view may start
+
+Spec = tuple[torch.dtype, Sequence[int]]  # a packed tensor's dtype and shape
+
+
+def packed_size(specs: Collection[Spec]) -> int:
+    return _offsets(specs)[1]
+
+
+def packed_views(buffer: torch.Tensor, specs: Collection[Spec]) -> list[torch.Tensor]:
+    """Tensors of the given dtypes and shapes one after the other (each aligned) in a uint8 buffer."""
+    return [buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for offset, (dtype, shape) in zip(_offsets(specs)[0], specs)]
+
+
+def _offsets(specs: Collection[Spec]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for dtype, shape in specs:
+        offsets.append(total)
+        total += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+    return offsets, total
+
+
+class HostBuffers:
+    """A few uint8 host buffers handed out round-robin, pinned on CUDA so that copies to and from them run
+    asynchronously, each with an event (CUDA only) that the taker records once it has queued its copy: a step's
+    small copies then cost no pinned allocation and no new event each.
+
+    A buffer is handed out again only once its previous use is over: its event has completed (the copy ran)
+    and the release given with it, if any, has returned (e.g. the copy's reader has read it)."""
+
+    def __init__(self, device: torch.device, num_buffers: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.slots: list[tuple[torch.Tensor, torch.cuda.Event | None] | None] = [None] * num_buffers
+        self.releases: list[Callable[[], object] | None] = [None] * num_buffers
+        self.next = 0
+
+    def take(self, nbytes: int, release: Callable[[], object] | None = None
+             ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        i, self.next = self.next, (self.next + 1) % len(self.slots)
+        slot, previous = self.slots[i], self.releases[i]
+        self.releases[i] = release
+        if previous is not None:
+            previous()
+        if slot is not None and slot[1] is not None:
+            slot[1].synchronize()
+        if slot is None or slot[0].numel() < nbytes:
+            size = max(nbytes, 2 * slot[0].numel()) if slot is not None else max(nbytes, 1 << 16)
+            slot = self.slots[i] = (torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda),
+                                    torch.cuda.Event() if self.cuda else None)
+        return slot
