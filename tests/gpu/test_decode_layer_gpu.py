@@ -56,15 +56,21 @@ def _restore(model, saved):
         layer.self_attn.attn.value_cache.copy_(v)
 
 
-@pytest.mark.parametrize("context", CONTEXTS)
-def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
+def _layers_step(model, monkeypatch, context):
+    """A random token and random pages for a step at `context`, the caches before it, and the step through the
+    layers' own path: (token, pages, caches before, logits, caches after)."""
     gen = torch.Generator().manual_seed(context)
     blocks = model.model.layers[0].self_attn.attn.key_cache.shape[0]
     pages = torch.randperm(blocks, generator=gen)[:-(-context // BLOCK)].cuda()
     token = int(torch.randint(0, 1000, (1,), generator=gen))
     start = _caches(model)
     monkeypatch.setenv(fused_decode.ENV_VAR, "0")
-    layers = _decode(model, token, context, pages)
+    return token, pages, start, _decode(model, token, context, pages), _caches(model)
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
+    token, pages, start, layers, _ = _layers_step(model, monkeypatch, context)
     monkeypatch.setenv(fused_decode.ENV_VAR, "triton")
 
     runs, call = {}, DecoderLayerKernel.__call__
@@ -94,13 +100,7 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
 
 @pytest.mark.parametrize("context", CONTEXTS)
 def test_cuda_model_kernel_equals_the_layers(model, monkeypatch, context):
-    gen = torch.Generator().manual_seed(context)
-    blocks = model.model.layers[0].self_attn.attn.key_cache.shape[0]
-    pages = torch.randperm(blocks, generator=gen)[:-(-context // BLOCK)].cuda()
-    token = int(torch.randint(0, 1000, (1,), generator=gen))
-    start = _caches(model)
-    monkeypatch.setenv(fused_decode.ENV_VAR, "0")
-    layers, layer_caches = _decode(model, token, context, pages), _caches(model)
+    token, pages, start, layers, layer_caches = _layers_step(model, monkeypatch, context)
     monkeypatch.setenv(fused_decode.ENV_VAR, "cuda")
     _restore(model, start)
     ours, our_caches = _decode(model, token, context, pages), _caches(model)
