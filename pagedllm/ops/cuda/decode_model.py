@@ -54,7 +54,7 @@ class DecodeModelKernel:
         self.table = torch.zeros(len(weights), len(_POINTERS) + 2, dtype=torch.int64, device=device)
         self._cache_pointers = None
         self._update_table()
-        # int64 [num_blocks, layers, 12] to receive each launch's phase timestamps (decode_model.cu, kTracePoints):
+        # int64 [num_blocks, layers, 14] to receive each launch's phase timestamps (decode_model.cu, kTracePoints):
         # benchmarks/decode_layer.py sets it.
         self.trace: torch.Tensor | None = None
 
