@@ -119,7 +119,7 @@ def main():
         def layer(phased):
             k.begin_step()
             k(0, k.x, w, attn.key_cache, attn.value_cache, attn.scale, decode.cos_sin_cache, pos,
-              meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, phased=phased)
+              meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, ctx, phased=phased)
         print(f"layer, one launch:    {graph_time_us(lambda: layer(False)):6.1f} us")
         print(f"layer, five launches: {graph_time_us(lambda: layer(True)):6.1f} us")
         real = decode_layer._decoder_layer_kernel

@@ -75,14 +75,15 @@ def _restore(model, saved):
         t.copy_(s)
 
 
-def _step(model, ids, pages, start, n):
-    """Tokens start..start+n-1 of ids through the model, as one prefill (n > 1) or one decode."""
+def _step(model, ids, pages, start, n, bound=None):
+    """Tokens start..start+n-1 of ids through the model, as one prefill (n > 1) or one decode (whose metadata
+    bounds the context by `bound`, as a CUDA graph's does, else by the context itself)."""
     pos = torch.arange(start, start + n)
     slots = pages[pos // BLOCK] * BLOCK + pos % BLOCK
     i32 = dict(dtype=torch.int32)
     table, seq_len = pages[None].to(torch.int32), torch.tensor([start + n], **i32)
     if n == 1:
-        meta = AttentionMetadata(slots, 1, table, seq_len, start + 1, None, None, None, 0, 0)
+        meta = AttentionMetadata(slots, 1, table, seq_len, bound or start + 1, None, None, None, 0, 0)
     else:
         meta = AttentionMetadata(slots, 0, None, None, 0, table, seq_len, torch.tensor([0, n], **i32), n, start + n)
     with set_forward_context(meta), torch.no_grad():
@@ -112,7 +113,14 @@ def test_projections_streamed_in_slices(tmp_path, monkeypatch, arch):
     _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float16, 2e-2, 300)
 
 
-def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context):
+@pytest.mark.parametrize("context", [1, 37])
+def test_a_graph_bound_past_the_context(tmp_path, monkeypatch, context):
+    """A decode graph's step bounds its context by the graph's size: attention then has both tile sizes compiled
+    and picks by the context at run time."""
+    _check_decode_step(tmp_path, monkeypatch, "qwen3", "vllm", torch.float32, 1e-5, context, bound=1024)
+
+
+def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context, bound=None):
     model = _model(tmp_path, arch, dtype)
     num_blocks = -(-context // BLOCK) + 3
     gen = torch.Generator().manual_seed(context)
@@ -132,12 +140,13 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context)
     calls = []
     monkeypatch.setattr(DecoderLayerKernel, "__call__",
                         lambda self, *a, f=DecoderLayerKernel.__call__, **kw: calls.append(a[0]) or f(self, *a, **kw))
-    # 8 programs (an H100 gets 128): several row tiles per program, and partitions of 48 tokens at 300
+    # 8 programs (an H100 gets 128): several row tiles per program; attention in 16-key tiles at 37 tokens and in
+    # 32-key ones at 300 (partitions longer than a tile: 64 tokens each with one kv head, the last three empty)
     attn = model.model.layers[0].self_attn
     kernel = DecoderLayerKernel(model.config.hidden_size, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                 dtype, torch.device("cpu"), num_programs=8)
     model.model._fused_decode = {"triton": fused_decode.FusedDecode(model.model, kernel)}
-    logits = _step(model, ids, pages, context - 1, 1)
+    logits = _step(model, ids, pages, context - 1, 1, bound)
     assert calls == [0, 1]  # the kernel ran each layer
     err = (logits - reference).abs().max() / reference.abs().max()
     assert err < rel, f"max error {err:.2e} relative to the largest logit"

@@ -45,7 +45,7 @@ class FusedDecode:
         x = embedded
         for i, (w, attn) in enumerate(zip(self.weights, self.attns)):
             k(i, x, w, attn.key_cache, attn.value_cache, attn.scale, self.cos_sin_cache, positions,
-              meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables)
+              meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, meta.decode_max_seq_len)
             x = k.x
         return SplitKSums(k.x.view(1, 1, -1)), k.residual.view(1, -1)
 

@@ -59,7 +59,7 @@ SLICE_BYTES = 131072
 # Larger shares stream in slices of this size, the next one in flight while the current one is used.
 STEP_BYTES = 32768
 MAX_PROGRAMS = 128
-BLOCK_N = 64  # keys per attention tile
+BLOCK_N = 64  # keys per attention tile (twice that for partitions longer than one)
 
 
 @triton.jit
@@ -142,29 +142,15 @@ def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr):
 
 
 @triton.jit
-def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_cs, positions, slot_mapping,
-               seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
-               stride_v2, attn_max, attn_sum, attn_acc, attn_out, counters,
-               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-               GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               BLOCK_N: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr,
-               DOT_PREC: tl.constexpr):
-    """Phase B for program pid = (kv head, partition)."""
+def _attend_partition(q, kv_head, part, seq_len, cos, sin, d, qkv, k_norm_w, eps, scale, slot_mapping, block_table,
+                      k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, attn_max,
+                      attn_sum, attn_acc, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, NP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The kv head's query rows q over partition `part` of the context (whole BLOCK_N-key tiles), after writing
+    the newest token's K/V if the partition holds it: the partition's max, sum and unnormalised output."""
     GROUP: tl.constexpr = HEADS // KV_HEADS
     HALF: tl.constexpr = HEAD_SIZE // 2
-    kv_head = pid // NP
-    part = pid % NP
-    seq_len = tl.load(seq_lens)
-    pos = tl.load(positions).to(tl.int64)
-    d = tl.arange(0, HALF)[None, :]
-    cs = cos_sin_cache + pos * stride_cs + d
-    cos = tl.load(cs).to(qkv.dtype.element_ty)
-    sin = tl.load(cs + HALF).to(qkv.dtype.element_ty)
-    hq = tl.arange(0, GROUP_PAD)[:, None]
-    q1, q2 = rotated_heads(qkv + kv_head * GROUP * HEAD_SIZE, q_norm_w, eps, cos, sin, hq, d, hq < GROUP, HALF,
-                           QK_NORM)
-    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_SIZE))
-
     part_tokens = tl.cdiv(tl.cdiv(seq_len, NP), BLOCK_N) * BLOCK_N
     start = part * part_tokens
     end = tl.maximum(tl.minimum(start + part_tokens, seq_len), start)
@@ -197,6 +183,49 @@ def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_c
     tl.store(attn_max + stat, m_i, mask=g < GROUP)
     tl.store(attn_sum + stat, l_i, mask=g < GROUP)
     tl.store(attn_acc + stat[:, None] * HEAD_SIZE + dd[None, :], acc, mask=(g < GROUP)[:, None])
+
+
+@triton.jit
+def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_cs, positions, slot_mapping,
+               seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
+               stride_v2, attn_max, attn_sum, attn_acc, attn_out, counters,
+               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+               GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+               QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Phase B for program pid = (kv head, partition); LONG: the step's contexts may need partitions longer than
+    one BLOCK_N tile."""
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    HALF: tl.constexpr = HEAD_SIZE // 2
+    kv_head = pid // NP
+    part = pid % NP
+    seq_len = tl.load(seq_lens)
+    pos = tl.load(positions).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]
+    cs = cos_sin_cache + pos * stride_cs + d
+    cos = tl.load(cs).to(qkv.dtype.element_ty)
+    sin = tl.load(cs + HALF).to(qkv.dtype.element_ty)
+    hq = tl.arange(0, GROUP_PAD)[:, None]
+    q1, q2 = rotated_heads(qkv + kv_head * GROUP * HEAD_SIZE, q_norm_w, eps, cos, sin, hq, d, hq < GROUP, HALF,
+                           QK_NORM)
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_SIZE))
+    # A partition is one tile of BLOCK_N keys while the context allows, else tiles of 2 BLOCK_N: each tile is a
+    # chain of dependent loads that costs about the same at either size (benchmarks/results/README.md, twelfth
+    # session: Qwen3-0.6B's forward at 1320 tokens 825 us with 64-key tiles, 812 with the wider ones, at 3500
+    # 1022 against 960). The wide tiles compiled beside the narrow ones cost those ~0.5 us a layer (746 -> 775 us
+    # at 1024 tokens), so they are compiled only where the step's bound on its context (LONG) can need them;
+    # static_range then unrolls both sizes and the context picks one at run time.
+    if LONG:
+        wide = tl.cdiv(seq_len, NP) > BLOCK_N
+    else:
+        wide = False
+    for w in tl.static_range(1 + LONG):
+        if wide == (w == 1):
+            _attend_partition(q, kv_head, part, seq_len, cos, sin, d, qkv, k_norm_w, eps, scale, slot_mapping,
+                              block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
+                              stride_v2, attn_max, attn_sum, attn_acc, HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, NP,
+                              BLOCK_SIZE, BLOCK_N * (w + 1), X, LAYOUT, QK_NORM, DOT_PREC)
+    dd = tl.arange(0, HEAD_SIZE)
     tl.debug_barrier()
     if tl.atomic_add(counters + kv_head, 1, sem="acq_rel", scope="gpu") == NP - 1:
         # Last of the kv head's partitions: merge them (m in log2 units, as attend_tile keeps it).
@@ -227,7 +256,7 @@ def _decoder_layer_kernel(
     KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
     NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr, O_RPP: tl.constexpr,
     O_STEPS: tl.constexpr, U_RPP: tl.constexpr, U_STEPS: tl.constexpr, E_RPP: tl.constexpr,
-    E_STEPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
+    E_STEPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr,
     LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr,
     PHASE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -259,8 +288,8 @@ def _decoder_layer_kernel(
             _attention(pid, qkv, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache, stride_cs, positions,
                        slot_mapping, seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2,
                        stride_vb, stride_vh, stride_v2, attn_max, attn_sum, attn_acc, attn_out, counters,
-                       HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, GROUP_P2, NP, NP_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT,
-                       QK_NORM, DOT_PREC)
+                       HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, GROUP_P2, NP, NP_PAD, BLOCK_SIZE, BLOCK_N, LONG, X,
+                       LAYOUT, QK_NORM, DOT_PREC)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 2 * NPROG)
     if PHASE < 0 or PHASE == 2:
@@ -390,14 +419,17 @@ class DecoderLayerKernel:
 
     def __call__(self, layer: int, x_in: torch.Tensor, w: LayerWeights, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, scale: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int,
                  phased: bool | None = None) -> None:
         """Layer `layer` of the step for one sequence: x_in is its input (the embedding for layer 0, else
         self.x); leaves its output in self.x and self.residual. Reads one token's
-        positions / slot_mapping / seq_lens entries and the sequence's block table row.
+        positions / slot_mapping / seq_lens entries and the sequence's block table row; max_seq_len: a bound on its
+        length (a CUDA graph's context bound), which sizes the attention tiles.
         phased: the five phases as five launches (default unless self.persistent; always for CPU tensors,
         which the interpreter runs)."""
         layout, block_size, x = _host.cache_layout(key_cache, value_cache)
+        block_n = max(BLOCK_N, block_size) if x_in.is_cuda else max(16, block_size)  # CPU: several tiles
+        long = triton.cdiv(max_seq_len, self.partitions) > block_n
         group = self.num_heads // self.num_kv_heads
         qk_norm = w.q_norm is not None
         consts = dict(
@@ -408,7 +440,7 @@ class DecoderLayerKernel:
             GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
             **dict(zip(("A_RPP", "A_STEPS", "O_RPP", "O_STEPS", "U_RPP", "U_STEPS", "E_RPP", "E_STEPS"), self.plans)),
             BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
-            BLOCK_N=max(BLOCK_N, block_size) if x_in.is_cuda else max(16, block_size),  # CPU: several tiles
+            BLOCK_N=block_n,
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
             DOT_PREC=_host.dot_precision(self.dtype), num_stages=1, enable_fp_fusion=False)
         args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
@@ -426,4 +458,6 @@ class DecoderLayerKernel:
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
         for phase in range(PHASES) if phased else (-1,):
             warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
-            _decoder_layer_kernel[grid](*args, PHASE=phase, num_warps=warps, **dependent, **consts)
+            # LONG only where attention runs: the other phases' kernels stay one compiled variant.
+            _decoder_layer_kernel[grid](*args, PHASE=phase, LONG=long and phase in (-1, 1), num_warps=warps,
+                                        **dependent, **consts)
