@@ -103,7 +103,8 @@ def _decoder_layer():
     consts = dict(D=1024, D_PAD=1024, Q_PAD=2048, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8,
                   HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, **dict(zip(names, plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
-                  NPROG=128, PHASE=-1, DOT_PREC="tf32", PDL=False)  # persistent: no PDL
+                  NPROG=128, PHASE=-1, DOT_PREC="tf32", PDL=False,  # persistent: no PDL
+                  LONG=True)  # both attention tile sizes: the most registers
     return decode_layer._decoder_layer_kernel, types, consts, decode_layer.NUM_WARPS, 1
 
 
