@@ -118,6 +118,17 @@ def decode_graphs_on_cpu(runner) -> list:
     return replays
 
 
+def test_small_batches_have_a_decode_graph_per_power_of_two_context_bound():
+    """A small decode batch replays the graph of the smallest bound that holds its longest sequence: at most twice
+    as long, however long max_model_len is (Qwen3's 40960, Llama 3's 131072). Larger batches plan for
+    max_model_len."""
+    graphs = DecodeGraphs(torch.nn.Identity(), torch.device("cpu"), 64, 40960, 16)
+    assert graphs.bounds_of(1) == graphs.bounds_of(32) == [512, 1024, 2048, 4096, 8192, 16384, 32768, 40960]
+    assert graphs.bounds_of(48) == [40960]
+    assert DecodeGraphs(torch.nn.Identity(), torch.device("cpu"), 4, 4096, 16).bounds_of(4) == [512, 1024, 2048, 4096]
+    assert DecodeGraphs(torch.nn.Identity(), torch.device("cpu"), 4, 128, 16).bounds_of(4) == [16, 32, 64, 128]
+
+
 @pytest.mark.parametrize("graph_step", [False, True])
 @pytest.mark.parametrize("placeholders", [[[0, 1], [2, 0]], [[1, 2], [3, 0]], [[], []]])
 def test_upload_sends_the_arrays_and_fills_placeholders(graph_step, placeholders):

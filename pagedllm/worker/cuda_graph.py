@@ -32,9 +32,12 @@ PIECEWISE_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144
 PIECEWISE_MAX_TOKENS = PIECEWISE_SIZES[-1]
 # Decode batches up to this size leave SMs idle with one attention program per (sequence, kv head) and split
 # the context (benchmarks/results/README.md: 8 sequences of 1.2-2K tokens take 40 us a layer planned for 4096
-# tokens, 28 us planned for 2048). Their graphs are captured at max_model_len and its halves down to an eighth.
+# tokens, 28 us planned for 2048). Their graphs are captured at max_model_len and at every power of two below
+# it from about an eighth of it, or from MIN_CONTEXT_BOUND where that is lower: a step's plan is then at most
+# twice its longest sequence (past the lowest bound) whatever max_model_len is. Three halves left a 40960-token
+# model's short steps planned for 5120, where the batch-1 decoder-layer kernel also takes its slower wide tiles.
 SPLIT_MAX_BATCH = 32
-CONTEXT_BOUNDS = 4
+MIN_CONTEXT_BOUND = 512
 
 
 class _Ladder:
@@ -62,7 +65,8 @@ class DecodeGraphs(_Ladder):
         self.buffer = torch.zeros(max(packed_size(s.values()) for s in specs.values()), dtype=torch.uint8,
                                   device=device)
         self.inputs = {bs: dict(zip(spec, packed_views(self.buffer, spec.values()))) for bs, spec in specs.items()}
-        self.context_bounds = sorted({math.ceil(max_model_len / 2 ** i) for i in range(CONTEXT_BOUNDS)})
+        lowest = min(MIN_CONTEXT_BOUND, 1 << max(0, (max_model_len // 8).bit_length() - 1))
+        self.context_bounds = _powers_of_two(lowest, max_model_len) + [max_model_len]
         # (batch size, context bound) -> graph and its output
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -114,6 +118,15 @@ class DecodeGraphs(_Ladder):
         key = bs, next(b for b in self.bounds_of(bs) if b >= max_seq_len)
         self.graphs[key].replay()
         return self.outputs[key]
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    """low, 2 low, 4 low, ... below high."""
+    out = []
+    while low < high:
+        out.append(low)
+        low *= 2
+    return out
 
 
 def _input_specs(bs: int, width: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
