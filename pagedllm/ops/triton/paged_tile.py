@@ -1,8 +1,8 @@
 """Triton building blocks shared by the paged decode and prefill kernels.
 
 `attend_tile` is the whole inner step of both: gather BLOCK_N keys/values of one kv head through the
-block table (several pages per tile, so enough bytes are in flight), dequantise fp8 in registers,
-S = Q K^T on tensor cores, mask, online-softmax update in the exp2 domain, acc += P V.
+block table (several pages per tile, so enough bytes are in flight; `load_kv_tile`), dequantise fp8 in
+registers, S = Q K^T on tensor cores, mask, online-softmax update in the exp2 domain, acc += P V (`attend_kv`).
 Q is a tile of M rows (query heads of one kv group, times query tokens for prefill), so each K/V byte is
 read once per kv head however many query heads share it.
 """
@@ -46,19 +46,16 @@ def _to_compute(x, DTYPE: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def attend_tile(
-    q, m_i, l_i, acc,            # [M, D] query tile; running max (log2 units), sum, [M, D] accumulator
-    start_n, seq_len,            # first key position of the tile; keys >= seq_len do not exist
-    q_pos,                       # [M] position of each row's query: key n is visible iff n <= q_pos
-    alibi,                       # [M] ALiBi slope * log2(e) per row (ignored unless ALIBI)
-    qk_scale,                    # softmax scale * log2(e) (* k_scale for fp8)
+def load_kv_tile(
+    start_n, seq_len, q_pos,     # as attend_tile's
     k_cache, v_cache, block_table, kv_head,
     stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
-    sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,  # [M] offsets + scalars (SPARSE)
+    sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    X: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr, SPARSE: tl.constexpr,
-    ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
+    X: tl.constexpr, LAYOUT: tl.constexpr, MASKED: tl.constexpr, SPARSE: tl.constexpr,
 ):
+    """The raw K [D, N] and V [N, D] of attend_tile's keys, and which pages (and, SPARSE, which rows' blocks)
+    hold keys: the loads alone, so that a caller can issue them before what the math waits for."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
@@ -67,6 +64,7 @@ def attend_tile(
     # Loads are masked per page (not per token) so the mask stays constant along a page and the V load,
     # contiguous along tokens of a page, remains vectorised; the tail of the last page is masked later.
     page_ok = page_idx * BLOCK_SIZE < seq_len
+    keep = page_ok[None, :]
     if SPARSE:
         # vLLM's block-sparse rule, per row (with head sliding the rows of a group differ); a page is
         # loaded only if some row keeps it, so skipped blocks cost no memory traffic.
@@ -81,7 +79,6 @@ def attend_tile(
     else:
         page = tl.load(block_table + page_idx).to(tl.int64)
 
-    # K as [D, N] and V as [N, D], the operand shapes of the two dots.
     k_off = cache_offsets(page[None, :], slot[None, :], offs_d[:, None], kv_head, stride_kb, stride_kh, stride_k2,
                           X, LAYOUT, True)
     v_off = cache_offsets(page[:, None], slot[:, None], offs_d[None, :], kv_head, stride_vb, stride_vh, stride_v2,
@@ -99,6 +96,18 @@ def attend_tile(
     else:
         k = tl.load(k_cache + k_off)
         v = tl.load(v_cache + v_off)
+    return k, v, page_ok, keep
+
+
+@triton.jit
+def attend_kv(
+    q, m_i, l_i, acc, k, v, page_ok, keep,  # load_kv_tile's outputs for the keys start_n ...
+    start_n, seq_len, q_pos, alibi, qk_scale,
+    BLOCK_N: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr, SPARSE: tl.constexpr,
+    ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """attend_tile's math on a loaded tile."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _to_compute(k, q.dtype, FP8)
     v = _to_compute(v, q.dtype, FP8)
 
@@ -124,6 +133,29 @@ def attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_tile(
+    q, m_i, l_i, acc,            # [M, D] query tile; running max (log2 units), sum, [M, D] accumulator
+    start_n, seq_len,            # first key position of the tile; keys >= seq_len do not exist
+    q_pos,                       # [M] position of each row's query: key n is visible iff n <= q_pos
+    alibi,                       # [M] ALiBi slope * log2(e) per row (ignored unless ALIBI)
+    qk_scale,                    # softmax scale * log2(e) (* k_scale for fp8)
+    k_cache, v_cache, block_table, kv_head,
+    stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+    sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,  # [M] offsets + scalars (SPARSE)
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    X: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr, SPARSE: tl.constexpr,
+    ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    k, v, page_ok, keep = load_kv_tile(
+        start_n, seq_len, q_pos, k_cache, v_cache, block_table, kv_head,
+        stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+        sparse_off, sparse_q_block, sparse_local, sparse_vert, sparse_block,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, X, LAYOUT, MASKED, SPARSE)
+    return attend_kv(q, m_i, l_i, acc, k, v, page_ok, keep, start_n, seq_len, q_pos, alibi, qk_scale,
+                     BLOCK_N, FP8, MASKED, SPARSE, ALIBI, DOT_PREC)
 
 
 @triton.jit
