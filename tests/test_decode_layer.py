@@ -2,7 +2,8 @@
 phases launched in turn: a decode step of one sequence through LlamaModel with the kernel gives the logits
 and writes the K/V of the layers' PyTorch path. Qwen3 (q/k norms, GQA 4), Qwen2 (q/k/v bias, GQA 2), Llama
 (MHA), groups of 3 with a hidden size of 192, 256-channel heads; both cache layouts; pages in random order;
-contexts of one token, of a few partitions and of more partitions than the kernel has (empty partitions).
+contexts of one token, of a few partitions and of more partitions than the kernel has (empty partitions); the
+newest token's slot holding NaN before the step.
 tests/gpu/test_decode_layer_gpu.py runs it with its grid barriers, at real sizes."""
 import os
 
@@ -15,6 +16,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 from pagedllm.layers import activation, linear, norm, rotary  # noqa: E402
 from pagedllm.layers.attention import AttentionMetadata, set_forward_context  # noqa: E402
 from pagedllm.models import fused_decode, load_model  # noqa: E402
+from pagedllm.ops import reference  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -73,6 +75,15 @@ def _restore(model, saved):
                                                           layer.self_attn.attn.value_cache)]
     for t, s in zip(caches, saved):
         t.copy_(s)
+
+
+def _poison_slot(model, pages, pos):
+    """NaN K/V in token pos's cache slot of every layer, as a reused block holds stale values there."""
+    slot = torch.tensor([int(pages[pos // BLOCK]) * BLOCK + pos % BLOCK])
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        nan = torch.full((1, attn.num_kv_heads, attn.head_size), float("nan"), dtype=attn.key_cache.dtype)
+        reference.reshape_and_cache(nan, nan, attn.key_cache, attn.value_cache, slot, "auto", 1.0, 1.0)
 
 
 def _step(model, ids, pages, start, n, bound=None):
@@ -134,6 +145,9 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context,
     reference_caches = _caches(model)
 
     _restore(model, before)
+    # The kernel requests the cached keys before it has the newest one: what the newest token's slot held before
+    # the step must never reach its attention.
+    _poison_slot(model, pages, context - 1)
     for module in (norm, activation, rotary, linear, fused_decode):  # CPU tensors take the kernels too
         monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
     from pagedllm.ops.triton.decode_layer import DecoderLayerKernel
