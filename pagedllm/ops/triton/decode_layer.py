@@ -79,19 +79,46 @@ def _grid_sync(barrier, target):
 @triton.jit
 def _weight_slice(w, block, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
                   PAIRS: tl.constexpr):
-    """Rows block * RPP ... of w [n_rows (x PAIRS), K] as [PAIRS, RPP, K_PAD]; rows from row_limit on are not
-    loaded (0: none). PAIRS 2: gate rows r and the up rows n_rows + r beside them."""
+    """Rows block * RPP ... of w [n_rows (x PAIRS), K] as [K_PAD / CW, PAIRS, RPP, CW], column chunks of one warp's
+    coalesced width leading: the compiler then lays the warps over the rows and every thread sums its chunks
+    itself, where columns spread over warps cost the GEMV phases a shared-memory reduction and each thread ~16
+    rows of shuffles (the GEMV phases are bound by their instruction issue). Rows from row_limit on are not
+    loaded (0: none). PAIRS 2: gate rows r and the up rows n_rows + r beside them. bf16 loads as int32 pairs of
+    columns: _gemv_rows widens each half with one integer instruction, where converting the upper half of a
+    pair takes two."""
     rows = block * RPP + tl.arange(0, RPP)
-    cols = tl.arange(0, K_PAD)
-    r = tl.arange(0, PAIRS)[:, None, None] * n_rows + rows[None, :, None]
-    return tl.load(w + r.to(tl.int64) * K + cols[None, None, :],
-                   mask=(rows < row_limit)[None, :, None] & (cols < K)[None, None, :], other=0.0)
+    r = (tl.arange(0, PAIRS)[:, None] * n_rows + rows[None, :]).to(tl.int64)[None, :, :, None]
+    row_ok = (rows < row_limit)[None, None, :, None]
+    # one warp's coalesced row segment: 16 bytes a thread
+    WARP_COLS: tl.constexpr = 4096 // w.dtype.element_ty.primitive_bitwidth
+    if w.dtype.element_ty == tl.bfloat16:
+        HALF_PAD: tl.constexpr = K_PAD // 2
+        CW: tl.constexpr = WARP_COLS // 2 if WARP_COLS // 2 < HALF_PAD else HALF_PAD
+        c = tl.arange(0, HALF_PAD // CW)[:, None, None, None] * CW + tl.arange(0, CW)[None, None, None, :]
+        wt = tl.load(w.to(tl.pointer_type(tl.int32), bitcast=True) + r * (K // 2) + c, mask=row_ok & (c < K // 2),
+                     other=0)
+    else:
+        CW: tl.constexpr = WARP_COLS if WARP_COLS < K_PAD else K_PAD
+        c = tl.arange(0, K_PAD // CW)[:, None, None, None] * CW + tl.arange(0, CW)[None, None, None, :]
+        wt = tl.load(w + r * K + c, mask=row_ok & (c < K), other=0.0)
+    return wt
 
 
 @triton.jit
 def _gemv_rows(wt, x, block, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[rows of the slice] = wt x; PAIRS 2: silu(gate) * up, gate and up rounded as the layers round them."""
-    acc = tl.sum(wt.to(tl.float32) * x.to(tl.float32)[None, None, :], axis=2)
+    """out[rows of the slice] = wt x (wt as _weight_slice gives it); PAIRS 2: silu(gate) * up, gate and up rounded
+    as the layers round them."""
+    CH: tl.constexpr = wt.shape[0]
+    CW: tl.constexpr = wt.shape[3]
+    if wt.dtype == tl.int32:  # bf16 pairs: the low half is the even column
+        x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), [CH * CW, 2]))
+        even = (wt << 16).to(tl.float32, bitcast=True)
+        odd = (wt & -65536).to(tl.float32, bitcast=True)
+        prod = (even * tl.reshape(x_even, [CH, CW])[:, None, None, :] +
+                odd * tl.reshape(x_odd, [CH, CW])[:, None, None, :])
+    else:
+        prod = wt.to(tl.float32) * tl.reshape(x.to(tl.float32), [CH, CW])[:, None, None, :]
+    acc = tl.sum(tl.sum(prod, axis=3), axis=0)
     rows = block * RPP + tl.arange(0, RPP)
     ok = rows < n_rows
     if PAIRS == 2:  # rounded as F.linear's output, then as fused.silu_and_mul rounds
@@ -473,7 +500,7 @@ class DecoderLayerKernel:
             BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
             BLOCK_N=block_n,
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
-            DOT_PREC=_host.dot_precision(self.dtype), num_stages=1, enable_fp_fusion=False)
+            DOT_PREC=_host.dot_precision(self.dtype), num_stages=1)
         args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
                 self.attn_acc, self.attn_out, self.o_out, self.act, self.sync[1:], self.sync,
                 layer * (PHASES - 1) * self.num_programs,
@@ -489,6 +516,8 @@ class DecoderLayerKernel:
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
         for phase in range(PHASES) if phased else (-1,):
             warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
-            # LONG only where attention runs: the other phases' kernels stay one compiled variant.
+            # LONG only where attention runs: the other phases' kernels stay one compiled variant. The projection
+            # phases contract products and sums into FMAs (they are bound by their instruction issue); attention
+            # keeps RoPE's separate roundings, as the layers' RoPE kernel has them (fused.py).
             _decoder_layer_kernel[grid](*args, PHASE=phase, LONG=long and phase in (-1, 1), num_warps=warps,
-                                        **dependent, **consts)
+                                        enable_fp_fusion=phase not in (-1, 1), **dependent, **consts)
