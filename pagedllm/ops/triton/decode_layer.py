@@ -35,7 +35,11 @@ Measured on the H100 (benchmarks/results/README.md, benchmarks/decode_layer.py):
 1045 -> 908 us with attention at 4 warps, ~25 us a layer (attention 8.5, gate_up 9.5 as launches of their own),
 904 -> 748 us with the phases as dependent launches; the engine's step ~1.0 ms against 1.36 without the
 kernel; a grid barrier ~1 us. Pulling the attention's K/V into the L2 during phase A (prefetch.global.L2)
-made the persistent layer slower (31 -> 35 us).
+made the persistent layer slower (31 -> 35 us). A per-program timestamp trace of the forward (thirteenth session)
+showed the layer bound by the work after each phase's wait, not by its weights: with every layer reading one
+layer's weights from the L2 the forward still took 685 us against 752. Attention's first tile requested before
+its wait, the GEMVs' columns laid out so that each thread sums its own and bf16 widened with integer
+instructions took the forward at 1024 tokens from 747 to ~700 us, at 1100 from 810 to ~740.
 """
 from __future__ import annotations
 
@@ -54,6 +58,10 @@ NUM_WARPS = 16
 # Attention's tiles (16 query rows x 64 keys) waste 16 warps: as its own launch it takes 4 (benchmarks/
 # decode_layer.py on the H100: phase B 13.2 -> 8.5 us, 2 warps 8.3, 8 warps 10.1; the step 1045 -> 924 us).
 ATTENTION_WARPS = 4
+# Registers of the attention phase with one tile size (LONG off), whose prefetched tile would take ~200: at 168 the
+# forward at 64 / 1024 tokens took 678 / 698 us against 711 / 721 (benchmarks/results/README.md, thirteenth session).
+# The phase with both sizes needs its ~250 (at 168: 1100 tokens 740 -> 805 us).
+ATTENTION_REGISTERS = 168
 # A program's whole share of a projection's weights, requested at once (before the barrier it then waits at):
 # up to 64 registers a thread at 16 warps. Qwen3-0.6B's largest share is gate_up's 96 KB (128 KB padded).
 SLICE_BYTES = 131072
@@ -514,10 +522,12 @@ class DecoderLayerKernel:
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
         # phase frees and request their weights before they wait for its results.
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
+        capped = x_in.is_cuda and torch.version.hip is None and not long  # maxnreg: NVIDIA's backend only
         for phase in range(PHASES) if phased else (-1,):
             warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
+            limits = dict(maxnreg=ATTENTION_REGISTERS) if phase == 1 and capped else {}
             # LONG only where attention runs: the other phases' kernels stay one compiled variant. The projection
             # phases contract products and sums into FMAs (they are bound by their instruction issue); attention
             # keeps RoPE's separate roundings, as the layers' RoPE kernel has them (fused.py).
             _decoder_layer_kernel[grid](*args, PHASE=phase, LONG=long and phase in (-1, 1), num_warps=warps,
-                                        enable_fp_fusion=phase not in (-1, 1), **dependent, **consts)
+                                        enable_fp_fusion=phase not in (-1, 1), **limits, **dependent, **consts)
