@@ -99,7 +99,7 @@ def _decoder_layer():
                  block_table="*i32", eps="fp32", qk_eps="fp32", scale="fp32")
     plans = [*decode_layer._gemv_plan(4096, 1024, 1, 128, 2), *decode_layer._gemv_plan(1024, 2048, 1, 128, 2),
              *decode_layer._gemv_plan(3072, 1024, 2, 128, 2), *decode_layer._gemv_plan(1024, 3072, 1, 128, 2)]
-    names = ("A_RPP", "A_STEPS", "O_RPP", "O_STEPS", "U_RPP", "U_STEPS", "E_RPP", "E_STEPS")
+    names = [f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")]
     consts = dict(D=1024, D_PAD=1024, Q_PAD=2048, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8,
                   HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, **dict(zip(names, plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,

@@ -120,8 +120,18 @@ def test_projections_streamed_in_slices(tmp_path, monkeypatch, arch):
     from pagedllm.ops.triton import decode_layer
     monkeypatch.setattr(decode_layer, "SLICE_BYTES", 4096)
     monkeypatch.setattr(decode_layer, "STEP_BYTES", 2048)
-    assert decode_layer._gemv_plan(384, 128, 1, 8, 2) == (8, 8)
+    assert decode_layer._gemv_plan(384, 128, 1, 8, 2) == (8, 8, 0)
     _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float16, 2e-2, 300)
+
+
+def test_shares_split_into_two_power_of_two_slices():
+    """A share of rows that is no power of two is a power-of-two slice and a power-of-two rest, so the rows spread
+    evenly over the programs (Qwen3-0.6B's gate_up: 24 rows each on 128 programs, not 32 on 96)."""
+    from pagedllm.ops.triton import decode_layer
+    for n_rows, plan in ((3072, (16, 1, 8)), (4096, (32, 1, 0)), (384, (2, 1, 1)), (1200, (8, 1, 2))):
+        rpp, steps, rpp2 = decode_layer._gemv_plan(n_rows, 1024, 2, 128, 2)
+        assert (rpp, steps, rpp2) == plan
+        assert rpp * steps + rpp2 == -(-n_rows // 128)  # the even split, no padding
 
 
 @pytest.mark.parametrize("context", [1, 37])

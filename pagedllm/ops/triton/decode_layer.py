@@ -63,8 +63,15 @@ ATTENTION_WARPS = 4
 # The phase with both sizes needs its ~250 (at 168: 1100 tokens 740 -> 805 us).
 ATTENTION_REGISTERS = 168
 # A program's whole share of a projection's weights, requested at once (before the barrier it then waits at):
-# up to 64 registers a thread at 16 warps. Qwen3-0.6B's largest share is gate_up's 96 KB (128 KB padded).
+# up to 64 registers a thread at 16 warps. Qwen3-0.6B's largest share is gate_up's 96 KB.
 SLICE_BYTES = 131072
+# Registers of the gate_up phase in launches whose attention phase has both tile sizes (LONG), where its weight share
+# takes at most GATE_UP_REGISTERS - 24 of them (Qwen3-0.6B: 48 of its 82; no spills at 72). 72 at 16 warps leaves
+# exactly the 56 a thread that down_proj's phase takes, so its programs can start beside gate_up's. Measured on the
+# H100 (benchmarks/results/README.md, fourteenth session), forward at 1024 tokens in a graph bounded at 2048: 690 ->
+# 658 us; at 3500 996 -> 961. Without LONG the cap cost 15 us at 64 tokens and gained nothing at 1024, so it is
+# off there.
+GATE_UP_REGISTERS = 72
 # Larger shares stream in slices of this size, the next one in flight while the current one is used.
 STEP_BYTES = 32768
 MAX_PROGRAMS = 128
@@ -85,16 +92,16 @@ def _grid_sync(barrier, target):
 
 
 @triton.jit
-def _weight_slice(w, block, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
+def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
                   PAIRS: tl.constexpr):
-    """Rows block * RPP ... of w [n_rows (x PAIRS), K] as [K_PAD / CW, PAIRS, RPP, CW], column chunks of one warp's
-    coalesced width leading: the compiler then lays the warps over the rows and every thread sums its chunks
+    """Rows row0 ... row0 + RPP - 1 of w [n_rows (x PAIRS), K] as [K_PAD / CW, PAIRS, RPP, CW], column chunks of one
+    warp's coalesced width leading: the compiler then lays the warps over the rows and every thread sums its chunks
     itself, where columns spread over warps cost the GEMV phases a shared-memory reduction and each thread ~16
     rows of shuffles (the GEMV phases are bound by their instruction issue). Rows from row_limit on are not
     loaded (0: none). PAIRS 2: gate rows r and the up rows n_rows + r beside them. bf16 loads as int32 pairs of
     columns: _gemv_rows widens each half with one integer instruction, where converting the upper half of a
     pair takes two."""
-    rows = block * RPP + tl.arange(0, RPP)
+    rows = row0 + tl.arange(0, RPP)
     r = (tl.arange(0, PAIRS)[:, None] * n_rows + rows[None, :]).to(tl.int64)[None, :, :, None]
     row_ok = (rows < row_limit)[None, None, :, None]
     # one warp's coalesced row segment: 16 bytes a thread
@@ -113,7 +120,21 @@ def _weight_slice(w, block, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.conste
 
 
 @triton.jit
-def _gemv_rows(wt, x, block, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _weight_share(w, pid, n_rows, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr, STEPS: tl.constexpr,
+                  RPP2: tl.constexpr, PAIRS: tl.constexpr):
+    """The program's first slice of its share of w's rows (_gemv_plan), and the RPP2-row rest of a one-slice share
+    (the first slice again where there is none): both requested at once."""
+    row0 = pid * (RPP * STEPS + RPP2)
+    first = _weight_slice(w, row0, n_rows, n_rows, K, K_PAD, RPP, PAIRS)
+    if RPP2 > 0:
+        rest = _weight_slice(w, row0 + RPP, n_rows, n_rows, K, K_PAD, RPP2, PAIRS)
+    else:
+        rest = first
+    return first, rest
+
+
+@triton.jit
+def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """out[rows of the slice] = wt x (wt as _weight_slice gives it); PAIRS 2: silu(gate) * up, gate and up rounded
     as the layers round them."""
     CH: tl.constexpr = wt.shape[0]
@@ -127,7 +148,7 @@ def _gemv_rows(wt, x, block, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.con
     else:
         prod = wt.to(tl.float32) * tl.reshape(x.to(tl.float32), [CH, CW])[:, None, None, :]
     acc = tl.sum(tl.sum(prod, axis=3), axis=0)
-    rows = block * RPP + tl.arange(0, RPP)
+    rows = row0 + tl.arange(0, RPP)
     ok = rows < n_rows
     if PAIRS == 2:  # rounded as F.linear's output, then as fused.silu_and_mul rounds
         half = tl.arange(0, PAIRS)[:, None]
@@ -142,28 +163,32 @@ def _gemv_rows(wt, x, block, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.con
 
 
 @triton.jit
-def _gemv(w, first, pid, n_rows, x, out, bias, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
-          STEPS: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out = x W^T on this program's STEPS * RPP rows, `first` being its first slice (already loaded); with
-    several steps each loads the next slice before using the current one."""
+def _gemv(w, share, pid, n_rows, x, out, bias, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
+          STEPS: tl.constexpr, RPP2: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out = x W^T on this program's rows, `share` being what _weight_share loaded; with several steps each
+    loads the next slice before using the current one."""
+    first, rest = share
+    row0 = pid * (RPP * STEPS + RPP2)
     if STEPS == 1:
-        _gemv_rows(first, x, pid, n_rows, out, bias, RPP, PAIRS, HAS_BIAS)
+        _gemv_rows(first, x, row0, n_rows, out, bias, RPP, PAIRS, HAS_BIAS)
+        if RPP2 > 0:
+            _gemv_rows(rest, x, row0 + RPP, n_rows, out, bias, RPP2, PAIRS, HAS_BIAS)
     else:
         wt = first
         for s in range(STEPS):
-            block = pid * STEPS + s
-            nxt = _weight_slice(w, block + 1, n_rows, tl.where(s + 1 < STEPS, n_rows, 0), K, K_PAD, RPP, PAIRS)
-            _gemv_rows(wt, x, block, n_rows, out, bias, RPP, PAIRS, HAS_BIAS)
+            r = row0 + s * RPP
+            nxt = _weight_slice(w, r + RPP, n_rows, tl.where(s + 1 < STEPS, n_rows, 0), K, K_PAD, RPP, PAIRS)
+            _gemv_rows(wt, x, r, n_rows, out, bias, RPP, PAIRS, HAS_BIAS)
             wt = nxt
 
 
 @triton.jit
-def _gemv_of(w, first, pid, n_rows, src, out, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
-             STEPS: tl.constexpr):
+def _gemv_of(w, share, pid, n_rows, src, out, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
+             STEPS: tl.constexpr, RPP2: tl.constexpr):
     """_gemv of the vector src [K], an earlier phase's output."""
     cols = tl.arange(0, K_PAD)
-    _gemv(w, first, pid, n_rows, tl.load(src + cols, mask=cols < K, other=0.0), out, out, K, K_PAD, RPP, STEPS, 1,
-          False)
+    _gemv(w, share, pid, n_rows, tl.load(src + cols, mask=cols < K, other=0.0), out, out, K, K_PAD, RPP, STEPS, RPP2,
+          1, False)
 
 
 @triton.jit
@@ -320,11 +345,11 @@ def _decoder_layer_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, Q_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-    NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr, O_RPP: tl.constexpr,
-    O_STEPS: tl.constexpr, U_RPP: tl.constexpr, U_STEPS: tl.constexpr, E_RPP: tl.constexpr,
-    E_STEPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr,
-    LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr,
-    PHASE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr, A_RPP2: tl.constexpr,
+    O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr, U_RPP: tl.constexpr, U_STEPS: tl.constexpr,
+    U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr,
+    QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -336,17 +361,17 @@ def _decoder_layer_kernel(
     Q: tl.constexpr = HEADS * HEAD_SIZE
     cols = tl.arange(0, D_PAD)
     if PHASE < 0 or PHASE == 0:
-        first = _weight_slice(w_qkv, pid * A_STEPS, N_QKV, N_QKV, D, D_PAD, A_RPP, 1)
+        share = _weight_share(w_qkv, pid, N_QKV, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1)
         if PDL:
             pdl.gdc_wait()
         h, x = _norm_row(x_in, residual, w_ln, eps, D, D_PAD)
         if pid == 0:
             tl.store(res_mid + cols, h, mask=cols < D)
-        _gemv(w_qkv, first, pid, N_QKV, x, qkv, b_qkv, D, D_PAD, A_RPP, A_STEPS, 1, QKV_BIAS)
+        _gemv(w_qkv, share, pid, N_QKV, x, qkv, b_qkv, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, QKV_BIAS)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + NPROG)
     if PHASE < 0 or PHASE == 2:  # o_proj's weights stream in while attention runs
-        first = _weight_slice(w_o, pid * O_STEPS, D, D, Q, Q_PAD, O_RPP, 1)
+        share = _weight_share(w_o, pid, D, Q, Q_PAD, O_RPP, O_STEPS, O_RPP2, 1)
     if PHASE < 0 or PHASE == 1:
         if pid < KV_HEADS * NP:
             _attention(pid, qkv, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache, stride_cs, positions,
@@ -361,9 +386,9 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 2:
         if PDL:
             pdl.gdc_wait()
-        _gemv_of(w_o, first, pid, D, attn_out, o_out, Q, Q_PAD, O_RPP, O_STEPS)
+        _gemv_of(w_o, share, pid, D, attn_out, o_out, Q, Q_PAD, O_RPP, O_STEPS, O_RPP2)
     if PHASE < 0 or PHASE == 3:
-        first = _weight_slice(w_gate_up, pid * U_STEPS, INTER, INTER, D, D_PAD, U_RPP, 2)
+        share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 3 * NPROG)
     if PHASE < 0 or PHASE == 3:
@@ -372,15 +397,15 @@ def _decoder_layer_kernel(
         h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD)
         if pid == 0:
             tl.store(residual + cols, h, mask=cols < D)
-        _gemv(w_gate_up, first, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, 2, False)
+        _gemv(w_gate_up, share, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False)
     if PHASE < 0 or PHASE == 4:
-        first = _weight_slice(w_down, pid * E_STEPS, D, D, INTER, INTER_PAD, E_RPP, 1)
+        share = _weight_share(w_down, pid, D, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2, 1)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 4 * NPROG)
     if PHASE < 0 or PHASE == 4:
         if PDL:
             pdl.gdc_wait()
-        _gemv_of(w_down, first, pid, D, act, x_out, INTER, INTER_PAD, E_RPP, E_STEPS)
+        _gemv_of(w_down, share, pid, D, act, x_out, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2)
 
 
 @dataclass
@@ -400,18 +425,23 @@ class LayerWeights:
     qk_eps: float
 
 
-def _gemv_plan(n_rows: int, k: int, pairs: int, num_programs: int, itemsize: int) -> tuple[int, int]:
-    """(RPP, STEPS): each program takes STEPS slices of RPP consecutive rows. One slice when the program's
-    share fits SLICE_BYTES (all its weights are then requested before the barrier that precedes their use);
-    else slices of at most STEP_BYTES, each loaded while the one before is used."""
+def _gemv_plan(n_rows: int, k: int, pairs: int, num_programs: int, itemsize: int) -> tuple[int, int, int]:
+    """(RPP, STEPS, RPP2): each program takes STEPS slices of RPP consecutive rows, then RPP2 more. Where the
+    program's share fits SLICE_BYTES, all of it is requested before the barrier that precedes its use: a
+    power-of-two slice and a power-of-two rest (tiles are powers of two), so that a share of 24 rows is 16 + 8,
+    not 32 (padded to 32 rows, Qwen3-0.6B's gate_up left a quarter of the programs idle and gave the rest a third
+    more rows than an even split). Else slices of at most STEP_BYTES, each loaded while the one before is used."""
     row_bytes = pairs * triton.next_power_of_2(k) * itemsize
-    share = triton.next_power_of_2(triton.cdiv(n_rows, num_programs))
+    need = triton.cdiv(n_rows, num_programs)
+    share = triton.next_power_of_2(need)
     if share * row_bytes <= SLICE_BYTES:
-        return share, 1
+        rpp = share if share == need else share // 2
+        rest = need - rpp
+        return rpp, 1, triton.next_power_of_2(rest) if rest else 0
     rpp = share
     while rpp > 1 and rpp * row_bytes > STEP_BYTES:
         rpp //= 2
-    return rpp, share // rpp
+    return rpp, share // rpp, 0
 
 
 def default_programs(device: torch.device) -> int:
@@ -439,10 +469,13 @@ class DecoderLayerKernel:
         self.partitions = max(1, num_programs // num_kv_heads)
         q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
         itemsize = dtype.itemsize
-        self.plans = (*_gemv_plan(q_width + 2 * kv_width, hidden_size, 1, num_programs, itemsize),
-                      *_gemv_plan(hidden_size, q_width, 1, num_programs, itemsize),
-                      *_gemv_plan(intermediate_size, hidden_size, 2, num_programs, itemsize),
-                      *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
+        self.plans = plans = (*_gemv_plan(q_width + 2 * kv_width, hidden_size, 1, num_programs, itemsize),
+                              *_gemv_plan(hidden_size, q_width, 1, num_programs, itemsize),
+                              *_gemv_plan(intermediate_size, hidden_size, 2, num_programs, itemsize),
+                              *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
+        rpp, steps, rpp2 = plans[6:9]
+        share = (rpp * steps + rpp2) * 2 * triton.next_power_of_2(hidden_size) * itemsize
+        self.gate_up_fits = steps == 1 and share <= (GATE_UP_REGISTERS - 24) * 4 * NUM_WARPS * 32
 
         def buf(*shape, dtype=torch.float32):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -504,7 +537,7 @@ class DecoderLayerKernel:
             INTER_PAD=triton.next_power_of_2(self.intermediate_size), HEADS=self.num_heads,
             KV_HEADS=self.num_kv_heads, HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
             GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
-            **dict(zip(("A_RPP", "A_STEPS", "O_RPP", "O_STEPS", "U_RPP", "U_STEPS", "E_RPP", "E_STEPS"), self.plans)),
+            **dict(zip((f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")), self.plans)),
             BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
             BLOCK_N=block_n,
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
@@ -526,8 +559,11 @@ class DecoderLayerKernel:
         for phase in range(PHASES) if phased else (-1,):
             warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
             limits = dict(maxnreg=ATTENTION_REGISTERS) if phase == 1 and capped else {}
-            # LONG only where attention runs: the other phases' kernels stay one compiled variant. The projection
-            # phases contract products and sums into FMAs (they are bound by their instruction issue); attention
-            # keeps RoPE's separate roundings, as the layers' RoPE kernel has them (fused.py).
+            if phase == 3 and long and self.gate_up_fits and x_in.is_cuda and torch.version.hip is None:
+                limits = dict(maxnreg=GATE_UP_REGISTERS)
+            # LONG only where attention runs (gate_up's register cap follows it): the other phases' kernels stay one
+            # compiled variant. The projection phases contract products and sums into FMAs (they are bound by their
+            # instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE kernel has them
+            # (fused.py).
             _decoder_layer_kernel[grid](*args, PHASE=phase, LONG=long and phase in (-1, 1), num_warps=warps,
                                         enable_fp_fusion=phase not in (-1, 1), **limits, **dependent, **consts)
