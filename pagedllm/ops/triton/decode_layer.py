@@ -73,6 +73,9 @@ SLICE_BYTES = 131072
 # 658 us; at 3500 996 -> 961. Without LONG the cap cost 15 us at 64 tokens and gained nothing at 1024, so it is
 # off there.
 GATE_UP_REGISTERS = 72
+# o_proj's warps in LONG launches: 8 took the forward at 1024 tokens in a graph bounded at 2048 from 664 to 644 us and
+# at 1100 tokens from 695 to 674; without LONG it cost 13 us at 64 tokens (the same session's log).
+O_PROJ_LONG_WARPS = 8
 # Larger shares stream in slices of this size, the next one in flight while the current one is used.
 STEP_BYTES = 32768
 MAX_PROGRAMS = 128
@@ -560,11 +563,13 @@ class DecoderLayerKernel:
         for phase in range(PHASES) if phased else (-1,):
             warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
             limits = dict(maxnreg=ATTENTION_REGISTERS) if phase == 1 and capped else {}
-            if phase == 3 and long and self.gate_up_fits and x_in.is_cuda and torch.version.hip is None:
+            if long and phase == 2:
+                warps = O_PROJ_LONG_WARPS
+            if long and phase == 3 and self.gate_up_fits and x_in.is_cuda and torch.version.hip is None:
                 limits = dict(maxnreg=GATE_UP_REGISTERS)
-            # LONG only where attention runs (gate_up's register cap follows it): the other phases' kernels stay one
-            # compiled variant. The projection phases contract products and sums into FMAs (they are bound by their
-            # instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE kernel has them
-            # (fused.py).
+            # LONG only where attention runs (o_proj's warps and gate_up's register cap follow it): the other phases'
+            # kernels stay one compiled variant. The projection phases contract products and sums into FMAs (they
+            # are bound by their instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE
+            # kernel has them (fused.py).
             _decoder_layer_kernel[grid](*args, PHASE=phase, LONG=long and phase in (-1, 1), num_warps=warps,
                                         enable_fp_fusion=phase not in (-1, 1), **limits, **dependent, **consts)
