@@ -12,8 +12,12 @@
 - ``gemm-layout``: cuBLAS on the decode projections with nn.Linear's [N, K] weight against the same weight
   stored [K, N], weights rotated through 8 copies so they come from DRAM.
 - ``graph-launch``: host time of a freshly captured decode graph's first three launches (the first uploads it).
+- ``batch1``: batch-1 decode steps as `bench latency` runs them (LLM defaults, one 1024-token prompt), 300 timed:
+  the wall period, and from CUDA events around each step's launches the GPU's period, its span and its idle time
+  between steps (medians). Separate processes of `bench latency` on one H100 varied by up to 25% at batch 1
+  (fourteenth session); the GPU span is the step's own time.
 
-    python benchmarks/engine_probe.py steps|trace|decode|argmax|gemm-layout|graph-launch
+    python benchmarks/engine_probe.py steps|trace|decode|argmax|gemm-layout|graph-launch|batch1
 """
 import argparse
 import collections
@@ -284,8 +288,48 @@ def probe_graph_launch():
             print(f"bs {bs} bound {bound}: (launch ms, launch+run ms) for replays 1..3: {times}", flush=True)
 
 
+def probe_batch1():
+    import random
+    import statistics
+    llm = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", dtype="bfloat16")
+    eng = llm.engine
+    execute, events = eng.runner.execute, []
+
+    def timed_execute(*args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        out = execute(*args)
+        end.record()
+        events.append((start, end, time.perf_counter() - t))
+        return out
+
+    eng.runner.execute = timed_execute
+    rng = random.Random(0)
+    eng.add_request("batch1", [rng.randint(0, 10000) for _ in range(1024)],
+                    SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    for _ in range(30):
+        eng.step()
+    torch.cuda.synchronize()
+    events.clear()
+    walls, last = [], time.perf_counter()
+    for _ in range(300):
+        eng.step()
+        now = time.perf_counter()
+        walls.append(now - last)
+        last = now
+    torch.cuda.synchronize()
+    pairs = list(zip(events, events[1:]))
+    med = statistics.median
+    print(f"batch 1, context {1024 + 30}-{1024 + 330}: wall period {1e3 * med(walls):.3f} ms; GPU period "
+          f"{med(a[0].elapsed_time(b[0]) for a, b in pairs):.3f} ms, span "
+          f"{med(s.elapsed_time(e) for s, e, _ in events):.3f} ms, idle between steps "
+          f"{med(a[1].elapsed_time(b[0]) for a, b in pairs):.3f} ms; host in execute "
+          f"{1e3 * med(h for *_, h in events):.3f} ms (medians)")
+
+
 PROBES = {"steps": probe_steps, "trace": probe_trace, "decode": probe_decode, "argmax": probe_argmax,
-          "gemm-layout": probe_gemm_layout, "graph-launch": probe_graph_launch}
+          "gemm-layout": probe_gemm_layout, "graph-launch": probe_graph_launch, "batch1": probe_batch1}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
