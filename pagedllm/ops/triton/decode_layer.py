@@ -59,6 +59,12 @@ NUM_WARPS = 16
 # Attention's tiles (16 query rows x 64 keys) waste 16 warps: as its own launch it takes 4 (benchmarks/
 # decode_layer.py on the H100: phase B 13.2 -> 8.5 us, 2 warps 8.3, 8 warps 10.1; the step 1045 -> 924 us).
 ATTENTION_WARPS = 4
+# Where a partition can hold more than 3 BLOCK_N keys (one 128-key tile and more than half of another), attention takes
+# 8: on the H100 (benchmarks/results/README.md, fourteenth session) the forward at 3500 / 4000 tokens (graphs bounded
+# at 4096) 917 / 942 -> 868 / 881 us, at 8000 (bound 8192) 1122 -> 1082. It costs ~40 us where a partition holds
+# little more than one tile (2100 tokens: 760 -> 800; the crossover is near 2700) and 30-50 us in graphs bounded at
+# 2048, which keep 4.
+ATTENTION_LONG_WARPS = 8
 # Registers of the attention phase with one tile size (LONG off), whose prefetched tile would take ~200: at 168 the
 # forward at 64 / 1024 tokens took 678 / 698 us against 711 / 721 (benchmarks/results/README.md, thirteenth session).
 # The phase with both sizes needs its ~250 (at 168: 1100 tokens 740 -> 805 us).
@@ -513,6 +519,16 @@ class DecoderLayerKernel:
                 return f"{name} {k} (a multiple of 16)"
         return None
 
+    def _launch_configs(self, long: bool, many_keys: bool, nvidia: bool) -> list[tuple[int, dict]]:
+        """(warps, register cap) of each phase's launch, the fastest measured on the H100 (the constants say where):
+        long: attention has both tile sizes; many_keys: a partition may hold more than 3 BLOCK_N keys; nvidia:
+        the backend takes maxnreg."""
+        attention = (ATTENTION_LONG_WARPS if many_keys else ATTENTION_WARPS,
+                     dict(maxnreg=ATTENTION_REGISTERS) if nvidia and not long else {})
+        o_proj = (O_PROJ_LONG_WARPS if long else NUM_WARPS, {})
+        gate_up = (NUM_WARPS, dict(maxnreg=GATE_UP_REGISTERS) if nvidia and long and self.gate_up_fits else {})
+        return [(NUM_WARPS, {}), attention, o_proj, gate_up, (NUM_WARPS, {})]
+
     def begin_step(self) -> None:
         """Before a step's first layer: the counters restart (the layers' barriers follow on from each other;
         attention's counters reset themselves, but a step cut short must not leave them half counted) and the
@@ -559,14 +575,10 @@ class DecoderLayerKernel:
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
         # phase frees and request their weights before they wait for its results.
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
-        capped = x_in.is_cuda and torch.version.hip is None and not long  # maxnreg: NVIDIA's backend only
+        configs = self._launch_configs(long, triton.cdiv(max_seq_len, self.partitions) > 3 * block_n,
+                                       x_in.is_cuda and torch.version.hip is None)
         for phase in range(PHASES) if phased else (-1,):
-            warps = ATTENTION_WARPS if phase == 1 else NUM_WARPS
-            limits = dict(maxnreg=ATTENTION_REGISTERS) if phase == 1 and capped else {}
-            if long and phase == 2:
-                warps = O_PROJ_LONG_WARPS
-            if long and phase == 3 and self.gate_up_fits and x_in.is_cuda and torch.version.hip is None:
-                limits = dict(maxnreg=GATE_UP_REGISTERS)
+            warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
             # LONG only where attention runs (o_proj's warps and gate_up's register cap follow it): the other phases'
             # kernels stay one compiled variant. The projection phases contract products and sums into FMAs (they
             # are bound by their instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE
