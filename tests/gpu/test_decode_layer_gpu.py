@@ -79,6 +79,7 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
     # roundings), so bf16 values can land an ulp apart.
     with monkeypatch.context() as m:
         m.setattr(decode_layer, "ATTENTION_WARPS", decode_layer.NUM_WARPS)
+        m.setattr(decode_layer, "ATTENTION_LONG_WARPS", decode_layer.NUM_WARPS)
         for phased in (True, False):
             _restore(model, start)
             m.setattr(DecoderLayerKernel, "__call__", lambda self, *a, p=phased: call(self, *a, phased=p))
