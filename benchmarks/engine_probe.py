@@ -51,6 +51,20 @@ def _kind(step: dict) -> str:
     return next(f"decode<={b}" for b in BUCKETS if step["decodes"] <= b)
 
 
+def _timed(execute, record):
+    """execute wrapped: record(start, end, host seconds) gets CUDA events around the work it queues and its host
+    time."""
+    def timed(*args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        out = execute(*args)
+        end.record()
+        record(start, end, time.perf_counter() - t)
+        return out
+    return timed
+
+
 def probe_steps():
     llm, prompts, params = _engine()
     eng = llm.engine
@@ -65,14 +79,7 @@ def probe_steps():
             it.num_new_tokens > 1 for it in out.scheduled), decodes=sum(it.num_new_tokens == 1 for it in out.scheduled))
         return out
 
-    def timed_execute(*args):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t = time.perf_counter()
-        out = execute(*args)
-        end.record()
-        steps.append(dict(cur, exec=time.perf_counter() - t, events=(start, end)))
-        return out
+    timed_execute = _timed(execute, lambda start, end, host: steps.append(dict(cur, exec=host, events=(start, end))))
 
     def timed_process(*args):
         t = time.perf_counter()
@@ -293,18 +300,8 @@ def probe_batch1():
     import statistics
     llm = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", dtype="bfloat16")
     eng = llm.engine
-    execute, events = eng.runner.execute, []
-
-    def timed_execute(*args):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t = time.perf_counter()
-        out = execute(*args)
-        end.record()
-        events.append((start, end, time.perf_counter() - t))
-        return out
-
-    eng.runner.execute = timed_execute
+    events = []
+    eng.runner.execute = _timed(eng.runner.execute, lambda *record: events.append(record))
     rng = random.Random(0)
     eng.add_request("batch1", [rng.randint(0, 10000) for _ in range(1024)],
                     SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
