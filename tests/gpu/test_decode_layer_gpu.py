@@ -84,7 +84,7 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
             _restore(model, start)
             m.setattr(DecoderLayerKernel, "__call__", lambda self, *a, p=phased: call(self, *a, phased=p))
             runs[phased] = _decode(model, token, context, pages), _caches(model)
-        for _ in range(10):  # more steps: begin_step restarts the barrier and partition counters each time
+        for _ in range(10):  # more steps: begin_step restarts the barrier counter each time
             _restore(model, start)
             assert torch.equal(_decode(model, token, context, pages), runs[False][0])
     (phases, phase_caches), (fused, fused_caches) = runs[True], runs[False]

@@ -8,10 +8,9 @@ README.md, decode step latency). Here num_programs programs (at most one per SM)
 
   A  residual add + RMSNorm, qkv projection
   B  q/k RMSNorm + RoPE, the new token's K/V into the cache, attention split over the context (each
-     partition's first K/V tile requested before the wait for A); the last partition of a kv head to finish
-     merges that head's partitions
-  C  o_proj
-  D  residual add + RMSNorm, gate_up projection, SiLU-and-mul
+     partition's first K/V tile requested before the wait for A)
+  C  the partitions merged, o_proj split over the kv heads (each program merges its kv head's query heads)
+  D  residual add (of o_proj's per-kv-head partial sums) + RMSNorm, gate_up projection, SiLU-and-mul
   E  down_proj, whose output and the residual are the next layer's input
 
 Each projection is a GEMV whose rows are dealt out to the programs in equal contiguous shares; a program
@@ -40,7 +39,8 @@ showed the layer bound by the work after each phase's wait, not by its weights: 
 layer's weights from the L2 the forward still took 685 us against 752. Attention's first tile requested before
 its wait, the GEMVs' columns laid out so that each thread sums its own and bf16 widened with integer
 instructions took the forward at 1024 tokens from 747 to ~700 us, at 1100 from 810 to ~740; gate_up's shares spread
-over every program (16 + 8 rows, not 32 on three quarters of them) to ~660 / ~690.
+over every program (16 + 8 rows, not 32 on three quarters of them) to ~660 / ~690; the attention partitions
+merged in o_proj's programs instead of by the last partition of each kv head to ~620 / ~660.
 """
 from __future__ import annotations
 
@@ -103,10 +103,10 @@ def _grid_sync(barrier, target):
 
 @triton.jit
 def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
-                  PAIRS: tl.constexpr):
-    """Rows row0 ... row0 + RPP - 1 of w [n_rows (x PAIRS), K] as [K_PAD / CW, PAIRS, RPP, CW], column chunks of one
-    warp's coalesced width leading: the compiler then lays the warps over the rows and every thread sums its chunks
-    itself, where columns spread over warps cost the GEMV phases a shared-memory reduction and each thread ~16
+                  PAIRS: tl.constexpr, ROW: tl.constexpr):
+    """Rows row0 ... row0 + RPP - 1 of w [n_rows (x PAIRS), K] (rows ROW elements apart) as [K_PAD / CW, PAIRS, RPP,
+    CW], column chunks of one warp's coalesced width leading: the compiler then lays the warps over the rows and every
+    thread sums its chunks itself, where columns spread over warps cost the GEMV phases a shared-memory reduction and each thread ~16
     rows of shuffles (the GEMV phases are bound by their instruction issue). Rows from row_limit on are not
     loaded (0: none). PAIRS 2: gate rows r and the up rows n_rows + r beside them. bf16 loads as int32 pairs of
     columns: _gemv_rows widens each half with one integer instruction, where converting the upper half of a
@@ -120,33 +120,34 @@ def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constex
         HALF_PAD: tl.constexpr = K_PAD // 2
         CW: tl.constexpr = WARP_COLS // 2 if WARP_COLS // 2 < HALF_PAD else HALF_PAD
         c = tl.arange(0, HALF_PAD // CW)[:, None, None, None] * CW + tl.arange(0, CW)[None, None, None, :]
-        wt = tl.load(w.to(tl.pointer_type(tl.int32), bitcast=True) + r * (K // 2) + c, mask=row_ok & (c < K // 2),
+        wt = tl.load(w.to(tl.pointer_type(tl.int32), bitcast=True) + r * (ROW // 2) + c, mask=row_ok & (c < K // 2),
                      other=0)
     else:
         CW: tl.constexpr = WARP_COLS if WARP_COLS < K_PAD else K_PAD
         c = tl.arange(0, K_PAD // CW)[:, None, None, None] * CW + tl.arange(0, CW)[None, None, None, :]
-        wt = tl.load(w + r * K + c, mask=row_ok & (c < K), other=0.0)
+        wt = tl.load(w + r * ROW + c, mask=row_ok & (c < K), other=0.0)
     return wt
 
 
 @triton.jit
 def _weight_share(w, pid, n_rows, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr, STEPS: tl.constexpr,
-                  RPP2: tl.constexpr, PAIRS: tl.constexpr):
+                  RPP2: tl.constexpr, PAIRS: tl.constexpr, ROW: tl.constexpr):
     """The program's first slice of its share of w's rows (_gemv_plan), and the RPP2-row rest of a one-slice share
     (the first slice again where there is none): both requested at once."""
     row0 = pid * (RPP * STEPS + RPP2)
-    first = _weight_slice(w, row0, n_rows, n_rows, K, K_PAD, RPP, PAIRS)
+    first = _weight_slice(w, row0, n_rows, n_rows, K, K_PAD, RPP, PAIRS, ROW)
     if RPP2 > 0:
-        rest = _weight_slice(w, row0 + RPP, n_rows, n_rows, K, K_PAD, RPP2, PAIRS)
+        rest = _weight_slice(w, row0 + RPP, n_rows, n_rows, K, K_PAD, RPP2, PAIRS, ROW)
     else:
         rest = first
     return first, rest
 
 
 @triton.jit
-def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[rows of the slice] = wt x (wt as _weight_slice gives it); PAIRS 2: silu(gate) * up, gate and up rounded
-    as the layers round them."""
+def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr,
+               OUT_STRIDE: tl.constexpr):
+    """out[rows of the slice] = wt x (wt as _weight_slice gives it; out's rows OUT_STRIDE elements apart); PAIRS 2:
+    silu(gate) * up, gate and up rounded as the layers round them."""
     CH: tl.constexpr = wt.shape[0]
     CW: tl.constexpr = wt.shape[3]
     if wt.dtype == tl.int32:  # bf16 pairs: the low half is the even column
@@ -169,26 +170,27 @@ def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.cons
         val = tl.sum(acc, axis=0)
         if HAS_BIAS:
             val += tl.load(bias + rows, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + rows, val, mask=ok)
+    tl.store(out + rows * OUT_STRIDE, val, mask=ok)
 
 
 @triton.jit
 def _gemv(w, share, pid, n_rows, x, out, bias, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
-          STEPS: tl.constexpr, RPP2: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):
+          STEPS: tl.constexpr, RPP2: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr, ROW: tl.constexpr,
+          OUT_STRIDE: tl.constexpr):
     """out = x W^T on this program's rows, `share` being what _weight_share loaded; with several steps each
     loads the next slice before using the current one."""
     first, rest = share
     row0 = pid * (RPP * STEPS + RPP2)
     if STEPS == 1:
-        _gemv_rows(first, x, row0, n_rows, out, bias, RPP, PAIRS, HAS_BIAS)
+        _gemv_rows(first, x, row0, n_rows, out, bias, RPP, PAIRS, HAS_BIAS, OUT_STRIDE)
         if RPP2 > 0:
-            _gemv_rows(rest, x, row0 + RPP, n_rows, out, bias, RPP2, PAIRS, HAS_BIAS)
+            _gemv_rows(rest, x, row0 + RPP, n_rows, out, bias, RPP2, PAIRS, HAS_BIAS, OUT_STRIDE)
     else:
         wt = first
         for s in range(STEPS):
             r = row0 + s * RPP
-            nxt = _weight_slice(w, r + RPP, n_rows, tl.where(s + 1 < STEPS, n_rows, 0), K, K_PAD, RPP, PAIRS)
-            _gemv_rows(wt, x, r, n_rows, out, bias, RPP, PAIRS, HAS_BIAS)
+            nxt = _weight_slice(w, r + RPP, n_rows, tl.where(s + 1 < STEPS, n_rows, 0), K, K_PAD, RPP, PAIRS, ROW)
+            _gemv_rows(wt, x, r, n_rows, out, bias, RPP, PAIRS, HAS_BIAS, OUT_STRIDE)
             wt = nxt
 
 
@@ -198,15 +200,22 @@ def _gemv_of(w, share, pid, n_rows, src, out, K: tl.constexpr, K_PAD: tl.constex
     """_gemv of the vector src [K], an earlier phase's output."""
     cols = tl.arange(0, K_PAD)
     _gemv(w, share, pid, n_rows, tl.load(src + cols, mask=cols < K, other=0.0), out, out, K, K_PAD, RPP, STEPS, RPP2,
-          1, False)
+          1, False, K, 1)
 
 
 @triton.jit
-def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr):
-    """(h = x + res, RMSNorm(h)) of the hidden row, rounded as fused.rms_norm rounds (x first to res's dtype)."""
+def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr, PARTS: tl.constexpr,
+              PARTS_PAD: tl.constexpr):
+    """(h = x + res, RMSNorm(h)) of the hidden row, x [D, PARTS] being summed over its PARTS (o_proj's per-kv-head
+    partial sums, each thread summing its own), rounded as fused.rms_norm rounds (x first to res's dtype)."""
     cols = tl.arange(0, D_PAD)
     ok = cols < D
-    h = tl.load(x + cols, mask=ok, other=0.0).to(res.dtype.element_ty) + tl.load(res + cols, mask=ok, other=0.0)
+    if PARTS == 1:
+        xs = tl.load(x + cols, mask=ok, other=0.0)
+    else:
+        part = tl.arange(0, PARTS_PAD)[None, :]
+        xs = tl.sum(tl.load(x + cols[:, None] * PARTS + part, mask=(part < PARTS) & ok[:, None], other=0.0), axis=1)
+    h = xs.to(res.dtype.element_ty) + tl.load(res + cols, mask=ok, other=0.0)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
     return h, rms_scale(h, tl.load(norm_w + cols, mask=ok, other=0.0), rstd)
@@ -287,16 +296,17 @@ def _attend_partition(kv_head, part, seq_len, cos, sin, d, qkv, q_norm_w, k_norm
     stat = (kv_head * GROUP + g) * NP + part
     tl.store(attn_max + stat, m_i, mask=g < GROUP)
     tl.store(attn_sum + stat, l_i, mask=g < GROUP)
-    tl.store(attn_acc + stat[:, None] * HEAD_SIZE + dd[None, :], acc, mask=(g < GROUP)[:, None])
+    # [head, channel, partition]: phase C sums over the partitions within each thread (_merged_heads)
+    tl.store(attn_acc + ((kv_head * GROUP + g)[:, None] * HEAD_SIZE + dd[None, :]) * NP + part, acc,
+             mask=(g < GROUP)[:, None])
 
 
 @triton.jit
 def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_cs, positions, slot_mapping,
                seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
-               stride_v2, attn_max, attn_sum, attn_acc, attn_out, counters,
+               stride_v2, attn_max, attn_sum, attn_acc,
                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-               GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+               NP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
                QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """Phase B for program pid = (kv head, partition), its loads of earlier steps' data issued before the wait
     for phase A (PDL); LONG: the step's contexts may need partitions longer than one BLOCK_N tile."""
@@ -326,35 +336,36 @@ def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_c
                               block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
                               stride_v2, attn_max, attn_sum, attn_acc, HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, NP,
                               BLOCK_SIZE, BLOCK_N * (w + 1), X, LAYOUT, QK_NORM, DOT_PREC, PDL)
-    dd = tl.arange(0, HEAD_SIZE)
-    tl.debug_barrier()
-    if tl.atomic_add(counters + kv_head, 1, sem="acq_rel", scope="gpu") == NP - 1:
-        # Last of the kv head's partitions: merge them (m in log2 units, as attend_tile keeps it).
-        tl.store(counters + kv_head, 0)
-        p = tl.arange(0, NP_PAD)[:, None]
-        gg = tl.arange(0, GROUP_P2)
-        ok = (p < NP) & (gg < GROUP)[None, :]
-        st = (kv_head * GROUP + gg)[None, :] * NP + p
-        mp = tl.load(attn_max + st, mask=ok, other=float("-inf"))
-        mx = tl.max(mp, axis=0)
-        weight = tl.exp2(mp - tl.where(mx == float("-inf"), 0.0, mx)[None, :])
-        den = tl.sum(weight * tl.load(attn_sum + st, mask=ok, other=0.0), axis=0)
-        parts = tl.load(attn_acc + st[:, :, None] * HEAD_SIZE + dd[None, None, :], mask=ok[:, :, None], other=0.0)
-        o = tl.sum(weight[:, :, None] * parts, axis=0) / tl.where(den == 0.0, 1.0, den)[:, None]
-        tl.store(attn_out + (kv_head * GROUP + gg)[:, None] * HEAD_SIZE + dd[None, :], o,
-                 mask=(gg < GROUP)[:, None])
+
+
+@triton.jit
+def _merged_heads(kv_head, attn_max, attn_sum, attn_acc, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                  NP: tl.constexpr, NP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr):
+    """The kv head's query heads' attention outputs, [GROUP_P2 * HEAD_SIZE] (padding heads 0), merged from the
+    partitions' max, sum and unnormalised output (m in log2 units, as attend_tile keeps it). The partitions are the
+    fastest axis in memory and in the tile, so each thread sums its channels' partitions itself: summed across the
+    warps of a 16-warp program (partitions leading), the merge took phase C from 4 to 9 us on the H100
+    (benchmarks/results/README.md, fifteenth session)."""
+    c = tl.arange(0, GROUP_P2 * HEAD_SIZE)[:, None]
+    p = tl.arange(0, NP_PAD)[None, :]
+    ok = (p < NP) & (c < GROUP * HEAD_SIZE)
+    head = kv_head * GROUP + c // HEAD_SIZE
+    mp = tl.load(attn_max + head * NP + p, mask=ok, other=float("-inf"))
+    mx = tl.max(mp, axis=1)
+    weight = tl.exp2(mp - tl.where(mx == float("-inf"), 0.0, mx)[:, None])
+    den = tl.sum(weight * tl.load(attn_sum + head * NP + p, mask=ok, other=0.0), axis=1)
+    parts = tl.load(attn_acc + (kv_head * GROUP * HEAD_SIZE + c) * NP + p, mask=ok, other=0.0)
+    return tl.sum(weight * parts, axis=1) / tl.where(den == 0.0, 1.0, den)
 
 
 @triton.jit
 def _decoder_layer_kernel(
-    x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_out, o_out, act, counters,
-    barrier, barrier_base,
+    x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, o_out, act, barrier, barrier_base,
     w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, post_eps, qk_eps, scale,
     cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
-    D: tl.constexpr, D_PAD: tl.constexpr, Q_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr,
-    HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr, HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
     NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr, A_RPP2: tl.constexpr,
     O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr, U_RPP: tl.constexpr, U_STEPS: tl.constexpr,
     U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -368,27 +379,36 @@ def _decoder_layer_kernel(
         # anything it wrote. Every program waits, so a phase completes only after the one before it.
         pdl.gdc_launch_dependents()
     N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_SIZE
-    Q: tl.constexpr = HEADS * HEAD_SIZE
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    O_K: tl.constexpr = GROUP * HEAD_SIZE
     cols = tl.arange(0, D_PAD)
     if PHASE < 0 or PHASE == 0:
-        share = _weight_share(w_qkv, pid, N_QKV, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1)
+        share = _weight_share(w_qkv, pid, N_QKV, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, D)
         if PDL:
             pdl.gdc_wait()
-        h, x = _norm_row(x_in, residual, w_ln, eps, D, D_PAD)
+        h, x = _norm_row(x_in, residual, w_ln, eps, D, D_PAD, 1, 1)
         if pid == 0:
             tl.store(res_mid + cols, h, mask=cols < D)
-        _gemv(w_qkv, share, pid, N_QKV, x, qkv, b_qkv, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, QKV_BIAS)
+        _gemv(w_qkv, share, pid, N_QKV, x, qkv, b_qkv, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, QKV_BIAS, D, 1)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + NPROG)
+    # o_proj is split over the kv heads, as attention is (NP programs a kv head): each program merges the kv head's
+    # query heads from their partitions itself and sums its rows over their columns of W_o, a split-K partial per
+    # kv head that phase D adds up. Attention then ends with its partitions' stores, where the last partition of
+    # each kv head used to merge after an arrival counter. On the H100 (benchmarks/results/README.md, fifteenth
+    # session) phase B alone 8.4 -> 6.7 us, C 4.2 -> 4.6, D 7.8 -> 8.2; the forward at 1024 / 2100 / 3500 tokens
+    # 635 / 801 / 858 -> 621 / 740 / 831 us.
+    o_head = tl.minimum(pid // NP, KV_HEADS - 1)
+    o_rows = tl.where(pid < KV_HEADS * NP, D, 0)  # programs past the last kv head's load and store nothing
     if PHASE < 0 or PHASE == 2:  # o_proj's weights stream in while attention runs
-        share = _weight_share(w_o, pid, D, Q, Q_PAD, O_RPP, O_STEPS, O_RPP2, 1)
+        share = _weight_share(w_o + o_head * O_K, pid % NP, o_rows, O_K, GROUP_P2 * HEAD_SIZE, O_RPP, O_STEPS,
+                              O_RPP2, 1, HEADS * HEAD_SIZE)
     if PHASE < 0 or PHASE == 1:
         if pid < KV_HEADS * NP:
             _attention(pid, qkv, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache, stride_cs, positions,
                        slot_mapping, seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2,
-                       stride_vb, stride_vh, stride_v2, attn_max, attn_sum, attn_acc, attn_out, counters,
-                       HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, GROUP_P2, NP, NP_PAD, BLOCK_SIZE, BLOCK_N, LONG, X,
-                       LAYOUT, QK_NORM, DOT_PREC, PDL)
+                       stride_vb, stride_vh, stride_v2, attn_max, attn_sum, attn_acc, HEADS, KV_HEADS, HEAD_SIZE,
+                       GROUP_PAD, NP, BLOCK_SIZE, BLOCK_N, LONG, X, LAYOUT, QK_NORM, DOT_PREC, PDL)
         elif PDL:
             pdl.gdc_wait()
     if PHASE < 0:
@@ -396,20 +416,24 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 2:
         if PDL:
             pdl.gdc_wait()
-        _gemv_of(w_o, share, pid, D, attn_out, o_out, Q, Q_PAD, O_RPP, O_STEPS, O_RPP2)
+        o = _merged_heads(o_head, attn_max, attn_sum, attn_acc, GROUP, GROUP_P2, NP, NP_PAD, HEAD_SIZE)
+        # rounded as the attention output the layers' o_proj reads
+        o = o.to(qkv.dtype.element_ty)
+        _gemv(w_o + o_head * O_K, share, pid % NP, o_rows, o, o_out + o_head, o_out, O_K,
+              GROUP_P2 * HEAD_SIZE, O_RPP, O_STEPS, O_RPP2, 1, False, HEADS * HEAD_SIZE, KV_HEADS)
     if PHASE < 0 or PHASE == 3:
-        share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2)
+        share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, D)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 3 * NPROG)
     if PHASE < 0 or PHASE == 3:
         if PDL:
             pdl.gdc_wait()
-        h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD)
+        h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD, KV_HEADS, KV_PAD)
         if pid == 0:
             tl.store(residual + cols, h, mask=cols < D)
-        _gemv(w_gate_up, share, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False)
+        _gemv(w_gate_up, share, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False, D, 1)
     if PHASE < 0 or PHASE == 4:
-        share = _weight_share(w_down, pid, D, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2, 1)
+        share = _weight_share(w_down, pid, D, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2, 1, INTER)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 4 * NPROG)
     if PHASE < 0 or PHASE == 4:
@@ -480,7 +504,7 @@ class DecoderLayerKernel:
         q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
         itemsize = dtype.itemsize
         self.plans = plans = (*_gemv_plan(q_width + 2 * kv_width, hidden_size, 1, num_programs, itemsize),
-                              *_gemv_plan(hidden_size, q_width, 1, num_programs, itemsize),
+                              *_gemv_plan(hidden_size, q_width // num_kv_heads, 1, self.partitions, itemsize),
                               *_gemv_plan(intermediate_size, hidden_size, 2, num_programs, itemsize),
                               *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
         rpp, steps, rpp2 = plans[6:9]
@@ -494,12 +518,10 @@ class DecoderLayerKernel:
         self.res_mid = buf(hidden_size, dtype=dtype)
         self.qkv = buf(q_width + 2 * kv_width, dtype=dtype)
         self.attn_stats = buf(2, num_heads, self.partitions)
-        self.attn_acc = buf(num_heads, self.partitions, head_size)
-        self.attn_out = buf(q_width, dtype=dtype)
-        self.o_out = buf(hidden_size)
+        self.attn_acc = buf(num_heads, head_size, self.partitions)
+        self.o_out = buf(hidden_size, num_kv_heads)  # o_proj's partial sums, one per kv head
         self.act = buf(intermediate_size, dtype=dtype)
-        # The persistent mode's barrier counter, then attention's per-kv-head arrival counters.
-        self.sync = buf(1 + num_kv_heads, dtype=torch.int32)
+        self.barrier = buf(1, dtype=torch.int32)  # the persistent mode's
 
     @staticmethod
     def unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype,
@@ -530,10 +552,9 @@ class DecoderLayerKernel:
         return [(NUM_WARPS, {}), attention, o_proj, gate_up, (NUM_WARPS, {})]
 
     def begin_step(self) -> None:
-        """Before a step's first layer: the counters restart (the layers' barriers follow on from each other;
-        attention's counters reset themselves, but a step cut short must not leave them half counted) and the
-        residual is zero, which makes layer 0's residual add a no-op."""
-        self.sync.zero_()
+        """Before a step's first layer: the barrier counter restarts (the layers' barriers follow on from each
+        other) and the residual is zero, which makes layer 0's residual add a no-op."""
+        self.barrier.zero_()
         self.residual.zero_()
 
     def __call__(self, layer: int, x_in: torch.Tensor, w: LayerWeights, key_cache: torch.Tensor,
@@ -553,9 +574,9 @@ class DecoderLayerKernel:
         qk_norm = w.q_norm is not None
         consts = dict(
             D=self.hidden_size, D_PAD=triton.next_power_of_2(self.hidden_size),
-            Q_PAD=triton.next_power_of_2(self.num_heads * self.head_size), INTER=self.intermediate_size,
-            INTER_PAD=triton.next_power_of_2(self.intermediate_size), HEADS=self.num_heads,
-            KV_HEADS=self.num_kv_heads, HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
+            INTER=self.intermediate_size, INTER_PAD=triton.next_power_of_2(self.intermediate_size),
+            HEADS=self.num_heads, KV_HEADS=self.num_kv_heads, KV_PAD=triton.next_power_of_2(self.num_kv_heads),
+            HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
             GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
             **dict(zip((f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")), self.plans)),
             BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
@@ -563,8 +584,7 @@ class DecoderLayerKernel:
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
             DOT_PREC=_host.dot_precision(self.dtype), num_stages=1)
         args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
-                self.attn_acc, self.attn_out, self.o_out, self.act, self.sync[1:], self.sync,
-                layer * (PHASES - 1) * self.num_programs,
+                self.attn_acc, self.o_out, self.act, self.barrier, layer * (PHASES - 1) * self.num_programs,
                 w.input_norm, w.qkv, w.qkv if w.qkv_bias is None else w.qkv_bias,
                 w.q_norm if qk_norm else w.input_norm, w.k_norm if qk_norm else w.input_norm, w.o, w.post_norm,
                 w.gate_up, w.down, w.eps, w.post_eps, w.qk_eps, scale, cos_sin_cache, cos_sin_cache.stride(0),
