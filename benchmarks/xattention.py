@@ -4,7 +4,12 @@
     estimation (block selection included) and sparse-attention times at threshold 0.9, and the density it
     chose. Random Q/K attend almost uniformly, so that density says nothing about real prompts.
 (b) The sparse attention alone at fixed densities (random masks that keep the sink and the diagonal), same
-    shapes, so the speed-up can be read off at the density a real model produces.
+    shapes, so the speed-up can be read off at the density a real model produces. --head-masks picks how the
+    query heads' masks relate: drawn per query head ("independent", the default) or per kv head and shared
+    by its query heads ("group"). Real heads of a group largely agree, and the kernel runs them side by side,
+    so their K/V blocks come from the L2: the two bracket the reuse real masks give. Each row also prints the
+    K/V bytes of its visited blocks over its time, as if no block were read twice: near the HBM's ~3 TB/s the
+    kernel is bound by reading K/V, not by its arithmetic.
 (c) Real data: SmolLM2-135M-Instruct (9 query / 3 kv heads, head 64, 30 layers) prefills the first N tokens
     of the Python language reference (the text and Q/K/V capture of benchmarks/xattention_fidelity.py);
     its per-layer Q/K/V (after RoPE) are replayed per stride and threshold: the density XAttention picks
@@ -70,11 +75,14 @@ def repetitions(n, smoke):
     return 10 if n <= 32768 else 3
 
 
-def random_mask(n, density, seed, device):
-    """Causal block mask with about ``density`` of the visible blocks, sink and diagonal always kept."""
+def random_mask(n, density, seed, device, head_masks="independent"):
+    """Causal block mask with about ``density`` of the visible blocks, sink and diagonal always kept; one draw per
+    query head ("independent") or per kv head, shared by its query heads ("group")."""
     g = torch.Generator(device=device).manual_seed(seed)
     blocks = -(-n // BLOCK)
-    mask = torch.rand(1, HEADS, blocks, blocks, device=device, generator=g) < density
+    draws = HEADS if head_masks == "independent" else KV_HEADS
+    mask = torch.rand(1, draws, blocks, blocks, device=device, generator=g) < density
+    mask = mask.repeat_interleave(HEADS // draws, 1)
     idx = torch.arange(blocks, device=device)
     mask[..., 0] = True
     mask[..., idx, idx] = True
@@ -86,7 +94,12 @@ def causal_density(mask):
     return mask.sum().item() / (mask.shape[1] * blocks * (blocks + 1) / 2)
 
 
-def random_data_rows(lengths, strides, densities, sections, reps, device, dtype):
+def kv_bytes(mask):
+    """Bytes of K and V (bf16) the mask's visited blocks hold, each (query head, block pair) counted once."""
+    return mask.sum().item() * BLOCK * HEAD_DIM * 2 * 2
+
+
+def random_data_rows(lengths, strides, densities, head_masks, sections, reps, device, dtype):
     """Rows of sections (a) and (b) on random Q/K/V of the 32/8-head, head-128 shape."""
     rows_a, rows_b = [], []
     for n in lengths:
@@ -108,10 +121,11 @@ def random_data_rows(lengths, strides, densities, sections, reps, device, dtype)
             print(f"(a) {n} stride {stride}: dense {dense:.2f} ms, estimate {est_ms[stride]:.2f} ms, "
                   f"sparse {sparse:.2f} ms, density {float(density):.3f}", flush=True)
         if "b" in sections:
-            for d in densities:
-                mask = random_mask(n, d, seed=n, device=device)
+            for d, kind in ((d, kind) for d in densities for kind in head_masks):
+                mask = random_mask(n, d, seed=n, device=device, head_masks=kind)
                 sparse = bench_ms(lambda: xa.block_sparse_attention(q, k, v, mask, BLOCK), reps(n), device)
-                rows_b.append(dict(seq_len=n, target_density=d, density=causal_density(mask), sparse_ms=sparse,
+                rows_b.append(dict(seq_len=n, target_density=d, head_masks=kind, density=causal_density(mask),
+                                   sparse_ms=sparse, kv_tb_per_s=kv_bytes(mask) / sparse / 1e9,
                                    dense_ms=dense, speedup_sparse=dense / sparse,
                                    speedup_with_estimate={st: dense / (sparse + t) for st, t in est_ms.items()}))
         q = k = v = mask = None  # free this length's tensors before the next one is allocated
@@ -164,12 +178,12 @@ def print_random_tables(rows_a, rows_b, strides, device_name, dtype):
     if rows_b:
         print("\n## (b) Sparse attention at fixed densities (random masks); speedup over dense SDPA of the "
               "attention alone and with each stride's estimate (from (a)) added\n")
-        print("| seq len | density | sparse attn ms | dense SDPA ms | speedup (attn) | "
-              + " | ".join(f"speedup (+estimate s{st})" for st in strides) + " |")
-        print("|---|---|---|---|---|" + "---|" * len(strides))
+        print("| seq len | head masks | density | sparse attn ms | K/V TB/s, no reuse | dense SDPA ms | "
+              "speedup (attn) | " + " | ".join(f"speedup (+estimate s{st})" for st in strides) + " |")
+        print("|---|---|---|---|---|---|---|" + "---|" * len(strides))
         for r in rows_b:
-            print(f"| {r['seq_len']} | {r['density']:.3f} | {r['sparse_ms']:.2f} | {r['dense_ms']:.2f} | "
-                  f"{r['speedup_sparse']:.2f}x | "
+            print(f"| {r['seq_len']} | {r['head_masks']} | {r['density']:.3f} | {r['sparse_ms']:.2f} | "
+                  f"{r['kv_tb_per_s']:.2f} | {r['dense_ms']:.2f} | {r['speedup_sparse']:.2f}x | "
                   + " | ".join(f"{x:.2f}x" for x in r["speedup_with_estimate"].values()) + " |")
 
 
@@ -204,15 +218,17 @@ def print_real_tables(shape, rows_c, rows_b, device_name, dtype):
         print(f"\n### Curve (b) read at the real density of {longest} tokens: speedup with estimate (fixed density "
               "used). Random masks, not a measurement on real data; the density at these lengths is unknown "
               "(see its trend with length above)\n")
-        print("| stride | threshold | density at " + f"{longest} | " + " | ".join(str(n) for n in b_lengths) + " |")
-        print("|---|---|---|" + "---|" * len(b_lengths))
-        for st, thr in configs:
+        print("| stride | threshold | head masks | density at " + f"{longest} | "
+              + " | ".join(str(n) for n in b_lengths) + " |")
+        print("|---|---|---|---|" + "---|" * len(b_lengths))
+        for (st, thr), kind in ((c, kind) for c in configs for kind in sorted({r["head_masks"] for r in rows_b})):
             d = by_key[longest, st, thr]["density"]
             cells = []
             for n in b_lengths:
-                near = min((r for r in rows_b if r["seq_len"] == n), key=lambda r: abs(r["density"] - d))
+                near = min((r for r in rows_b if r["seq_len"] == n and r["head_masks"] == kind),
+                           key=lambda r: abs(r["density"] - d))
                 cells.append(f"{near['speedup_with_estimate'][st]:.2f}x ({near['density']:.2f})")
-            print(f"| {st} | {thr} | {d:.3f} | " + " | ".join(cells) + " |")
+            print(f"| {st} | {thr} | {kind} | {d:.3f} | " + " | ".join(cells) + " |")
 
 
 def out_path(out, smoke):
@@ -227,6 +243,8 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", help=f"(a), (b); default {LENGTHS}")
     parser.add_argument("--strides", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3, 0.5], help="(b)")
+    parser.add_argument("--head-masks", nargs="+", choices=["independent", "group"], default=["independent"],
+                        help="(b): a mask per query head, or one per kv head shared by its query heads")
     parser.add_argument("--text-lengths", type=int, nargs="+", help=f"(c); default {TEXT_LENGTHS}")
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.9, 0.95], help="(c)")
     parser.add_argument("--out", default=None, help="a .json file or a directory (default benchmarks/results)")
@@ -247,8 +265,8 @@ def main():
 
     rows_a, rows_b, shape, rows_c = [], [], None, []
     if "a" in args.sections or "b" in args.sections:
-        rows_a, rows_b = random_data_rows(lengths, args.strides, args.densities, args.sections, reps, device,
-                                          dtype)
+        rows_a, rows_b = random_data_rows(lengths, args.strides, args.densities, args.head_masks, args.sections,
+                                          reps, device, dtype)
         print(f"random data done ({time.time() - start:.0f} s)", flush=True)
     if "c" in args.sections:
         shape, rows_c = real_data_rows(text_lengths, args.strides, args.thresholds, max_layers, reps, device,
