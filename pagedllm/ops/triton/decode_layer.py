@@ -106,11 +106,11 @@ def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constex
                   PAIRS: tl.constexpr, ROW: tl.constexpr):
     """Rows row0 ... row0 + RPP - 1 of w [n_rows (x PAIRS), K] (rows ROW elements apart) as [K_PAD / CW, PAIRS, RPP,
     CW], column chunks of one warp's coalesced width leading: the compiler then lays the warps over the rows and every
-    thread sums its chunks itself, where columns spread over warps cost the GEMV phases a shared-memory reduction and each thread ~16
-    rows of shuffles (the GEMV phases are bound by their instruction issue). Rows from row_limit on are not
-    loaded (0: none). PAIRS 2: gate rows r and the up rows n_rows + r beside them. bf16 loads as int32 pairs of
-    columns: _gemv_rows widens each half with one integer instruction, where converting the upper half of a
-    pair takes two."""
+    thread sums its chunks itself, where columns spread over warps cost the GEMV phases a shared-memory reduction and
+    each thread ~16 rows of shuffles (the GEMV phases are bound by their instruction issue). Rows from row_limit on
+    are not loaded (0: none). PAIRS 2: gate rows r and the up rows n_rows + r beside them. bf16 loads as int32 pairs
+    of columns: _gemv_rows widens each half with one integer instruction, where converting the upper half of a pair
+    takes two."""
     rows = row0 + tl.arange(0, RPP)
     r = (tl.arange(0, PAIRS)[:, None] * n_rows + rows[None, :]).to(tl.int64)[None, :, :, None]
     row_ok = (rows < row_limit)[None, None, :, None]
@@ -306,11 +306,11 @@ def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_c
                seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
                stride_v2, attn_max, attn_sum, attn_acc,
                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-               NP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
-               QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+               NP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr,
+               X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr,
+               PDL: tl.constexpr):
     """Phase B for program pid = (kv head, partition), its loads of earlier steps' data issued before the wait
     for phase A (PDL); LONG: the step's contexts may need partitions longer than one BLOCK_N tile."""
-    GROUP: tl.constexpr = HEADS // KV_HEADS
     HALF: tl.constexpr = HEAD_SIZE // 2
     kv_head = pid // NP
     part = pid % NP
@@ -365,12 +365,13 @@ def _decoder_layer_kernel(
     cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
     D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr, HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-    NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr, A_RPP2: tl.constexpr,
-    O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr, U_RPP: tl.constexpr, U_STEPS: tl.constexpr,
-    U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr,
-    QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr,
+    A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr, U_RPP: tl.constexpr,
+    U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+    QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -397,7 +398,7 @@ def _decoder_layer_kernel(
     # kv head that phase D adds up. Attention then ends with its partitions' stores, where the last partition of
     # each kv head used to merge after an arrival counter. On the H100 (benchmarks/results/README.md, fifteenth
     # session) phase B alone 8.4 -> 6.7 us, C 4.2 -> 4.6, D 7.8 -> 8.2; the forward at 1024 / 2100 / 3500 tokens
-    # 635 / 801 / 858 -> 621 / 740 / 831 us.
+    # 632 / 800 / 857 -> 621 / 740 / 834 us.
     o_head = tl.minimum(pid // NP, KV_HEADS - 1)
     o_rows = tl.where(pid < KV_HEADS * NP, D, 0)  # programs past the last kv head's load and store nothing
     if PHASE < 0 or PHASE == 2:  # o_proj's weights stream in while attention runs
