@@ -1,8 +1,8 @@
 """The decoder-layer kernel (pagedllm.ops.triton.decode_layer) on CPU under the Triton interpreter, its five
 phases launched in turn: a decode step of one sequence through LlamaModel with the kernel gives the logits
 and writes the K/V of the layers' PyTorch path. Qwen3 (q/k norms, GQA 4), Qwen2 (q/k/v bias, GQA 2), Llama
-(MHA), groups of 3 with a hidden size of 192, 256-channel heads; both cache layouts; pages in random order;
-contexts of one token, of a few partitions and of more partitions than the kernel has (empty partitions); the
+(MHA), groups of 3 with a hidden size of 192, 3 kv heads, 256-channel heads; both cache layouts; pages in random
+order; contexts of one token, of a few partitions and of more partitions than the kernel has (empty partitions); the
 newest token's slot holding NaN before the step.
 tests/gpu/test_decode_layer_gpu.py runs it with its grid barriers, at real sizes."""
 import os
@@ -29,6 +29,8 @@ MODELS = {
     "llama-gqa3": (LlamaConfig, dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1)),
     "qwen3-head256": (Qwen3Config, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                          head_dim=256)),
+    # SmolLM2's 3 kv heads: on 8 programs two of them idle in attention and o_proj, and phase D sums 3 partials
+    "llama-kv3": (LlamaConfig, dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=3, head_dim=64)),
 }
 
 
@@ -109,7 +111,7 @@ def test_decode_step_through_the_kernel_equals_the_layers(tmp_path, monkeypatch,
     _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context)
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa3", "qwen3-head256"])
+@pytest.mark.parametrize("arch", ["llama-gqa3", "qwen3-head256", "llama-kv3"])
 def test_other_head_shapes(tmp_path, monkeypatch, arch):
     _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float32, 1e-5, 300)
 
