@@ -1,6 +1,7 @@
 """Where the Triton decoder-layer kernel's time goes (pagedllm/ops/triton/decode_layer.py), timed as CUDA-graph
-replays: one layer in one persistent launch, the same layer as five launches, each phase launched alone, the cost
-of one grid barrier; and the whole model's step through it and through the CUDA whole-model kernel
+replays: one layer in one persistent launch, the same layer as five launches, each phase launched alone, each phase's
+share of a layer inside the whole step (the kernel's per-program trace), the cost of one grid barrier; and the whole
+model's step through it and through the CUDA whole-model kernel
 (pagedllm/ops/cuda/decode_model.py). Random Qwen3-0.6B-shaped weights in bf16, one sequence at
 --context tokens. The same layer replays, so its 31 MB of weights partly stay in the L2: read the layer
 times as lower bounds of the engine's (its profile shows the kernel's time there).
@@ -57,6 +58,34 @@ class _OnePhase:
 def _barriers(barrier, N: tl.constexpr, NPROG: tl.constexpr):
     for i in tl.static_range(N):
         decode_layer._grid_sync(barrier, (i + 1) * NPROG)
+
+
+def triton_phases(model, ids, pos):
+    """The Triton kernel's per-program timestamps of one step replayed from a CUDA graph (DecoderLayerKernel.trace).
+    Per phase: how long after the previous launch's last program ended its programs end (median; slowest, which is
+    the phase's share of the layer's critical path), and how long before that end they had started (the head start
+    PDL gives them, their weights requested meanwhile). Medians over the middle layers."""
+    kernel = model.model._fused_decode["triton"].kernel
+    layers, phases = len(model.model.layers), decode_layer.PHASES
+    trace = torch.zeros(layers, phases, kernel.num_programs, 2, dtype=torch.int64, device="cuda")
+    kernel.trace = trace
+    try:
+        graph_time_us(lambda: model(ids, pos), 1)  # the trace keeps the last replay's times
+    finally:
+        kernel.trace = None
+    t = (trace - trace[0, 0, :, 0].min()).double() / 1000  # us
+    start, end = t[..., 0].flatten(0, 1), t[..., 1].flatten(0, 1)  # [launches in order, programs]
+    last = end.max(-1).values
+    prev = torch.cat([last.new_full((1,), float("nan")), last[:-1]])  # the previous launch's last program's end
+    after = (end - prev[:, None]).view(layers, phases, -1)[2:-2]
+    slowest = (last - prev).view(layers, phases)[2:-2]
+    ahead = (prev[:, None] - start).view(layers, phases, -1)[2:-2]
+    period = (last.view(layers, phases)[1:, -1] - last.view(layers, phases)[:-1, -1])[2:-2].median().item()
+    print(f"triton kernel, one layer {period:.1f} us; per phase, after the previous launch's last program "
+          "(medians over the middle layers, us):")
+    for i, name in enumerate("A norm+qkv|B attention|C merge+o_proj|D norm+gate_up|E down".split("|")):
+        print(f"  {name:16}: programs end {after[:, i].median().item():5.2f} after (slowest "
+              f"{slowest[:, i].median().item():5.2f}), started {ahead[:, i].median().item():5.2f} before it")
 
 
 def cuda_phases(model, ids, pos):
@@ -129,6 +158,7 @@ def main():
                 print(f"phase {name:16} alone: {graph_time_us(lambda: layer(True)):6.1f} us")
         finally:
             decode_layer._decoder_layer_kernel = real
+        triton_phases(model, ids, pos)
         for mode in ("triton", "cuda"):
             os.environ[fused_decode.ENV_VAR] = mode
             forward = graph_time_us(lambda: model(ids, pos), 2)

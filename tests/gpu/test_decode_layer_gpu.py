@@ -104,6 +104,29 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
         assert torch.equal(_decode(model, token, context, pages), default)
 
 
+def test_trace_holds_every_launch_in_order(model, monkeypatch):
+    """DecoderLayerKernel.trace (benchmarks/decode_layer.py reads it) receives every program's start and end in each
+    of the step's launches: no program ends before the previous launch's last one (each waits for it), and
+    tracing changes nothing the step computes."""
+    token, pages, start, _, _ = _layers_step(model, monkeypatch, 1000)
+    monkeypatch.setenv(fused_decode.ENV_VAR, "triton")
+    _restore(model, start)
+    plain = _decode(model, token, 1000, pages)
+    kernel = model.model._fused_decode["triton"].kernel
+    trace = torch.zeros(len(model.model.layers), decode_layer.PHASES, kernel.num_programs, 2, dtype=torch.int64,
+                        device="cuda")
+    kernel.trace = trace
+    try:
+        _restore(model, start)
+        traced = _decode(model, token, 1000, pages)
+    finally:
+        kernel.trace = None
+    assert torch.equal(traced, plain)
+    t = trace.flatten(0, 1)  # [launches in order, programs, (start, end)]
+    assert (t > 0).all() and (t[..., 1] >= t[..., 0]).all()
+    assert (t[1:, :, 1].min(-1).values >= t[:-1, :, 1].max(-1).values).all()
+
+
 @pytest.mark.parametrize("context", CONTEXTS)
 def test_cuda_model_kernel_equals_the_layers(model, monkeypatch, context):
     token, pages, start, layers, layer_caches = _layers_step(model, monkeypatch, context)

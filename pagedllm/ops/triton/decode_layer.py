@@ -102,6 +102,12 @@ def _grid_sync(barrier, target):
 
 
 @triton.jit
+def _globaltimer():
+    """The GPU's nanosecond clock (the trace's timestamps)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
                   PAIRS: tl.constexpr, ROW: tl.constexpr):
     """Rows row0 ... row0 + RPP - 1 of w [n_rows (x PAIRS), K] (rows ROW elements apart) as [K_PAD / CW, PAIRS, RPP,
@@ -363,7 +369,7 @@ def _decoder_layer_kernel(
     x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, o_out, act, barrier, barrier_base,
     w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, post_eps, qk_eps, scale,
     cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
-    k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+    k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, trace,
     D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr, HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr,
@@ -371,9 +377,11 @@ def _decoder_layer_kernel(
     U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
     QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if TRACE:
+        started = _globaltimer()
     if PDL:
         # Launched as a programmatic dependent of the previous phase: let the next phase's programs start as
         # SMs free up (they can issue their weight loads), and wait for the previous phase before reading
@@ -441,6 +449,10 @@ def _decoder_layer_kernel(
         if PDL:
             pdl.gdc_wait()
         _gemv_of(w_down, share, pid, D, act, x_out, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2)
+    if TRACE:  # when the program started and when its last thread issued its last store
+        tl.debug_barrier()
+        tl.store(trace + 2 * pid, started)
+        tl.store(trace + 2 * pid + 1, _globaltimer())
 
 
 @dataclass
@@ -523,6 +535,9 @@ class DecoderLayerKernel:
         self.o_out = buf(hidden_size, num_kv_heads)  # o_proj's partial sums, one per kv head
         self.act = buf(intermediate_size, dtype=dtype)
         self.barrier = buf(1, dtype=torch.int32)  # the persistent mode's
+        # int64 [layers, PHASES, num_programs, 2] to receive each program's start and end (GPU nanoseconds) in each
+        # phase's launch, five launches only: benchmarks/decode_layer.py sets it.
+        self.trace: torch.Tensor | None = None
 
     @staticmethod
     def unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype,
@@ -593,6 +608,8 @@ class DecoderLayerKernel:
                 *value_cache.stride()[:3])
         grid = (self.num_programs,)
         phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
+        if self.trace is not None and not (phased and x_in.is_cuda):
+            raise ValueError("decoder-layer kernel: the trace times the five launches on a GPU")
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
         # phase frees and request their weights before they wait for its results.
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
@@ -604,5 +621,7 @@ class DecoderLayerKernel:
             # kernels stay one compiled variant. The projection phases contract products and sums into FMAs (they
             # are bound by their instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE
             # kernel has them (fused.py).
-            _decoder_layer_kernel[grid](*args, PHASE=phase, LONG=long and phase in (-1, 1), num_warps=warps,
+            trace = self.barrier if self.trace is None else self.trace[layer, phase]
+            _decoder_layer_kernel[grid](*args, trace=trace, TRACE=self.trace is not None, PHASE=phase,
+                                        LONG=long and phase in (-1, 1), num_warps=warps,
                                         enable_fp_fusion=phase not in (-1, 1), **limits, **dependent, **consts)
