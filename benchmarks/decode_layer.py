@@ -67,15 +67,16 @@ def triton_phases(model, ids, pos):
     PDL gives them, their weights requested meanwhile). Medians over the middle layers."""
     kernel = model.model._fused_decode["triton"].kernel
     layers, phases = len(model.model.layers), decode_layer.PHASES
-    trace = torch.zeros(layers, phases, kernel.num_programs, 2, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(layers, phases, max(kernel.launch_programs), 2, dtype=torch.int64, device="cuda")
     kernel.trace = trace
     try:
         graph_time_us(lambda: model(ids, pos), 1)  # the trace keeps the last replay's times
     finally:
         kernel.trace = None
-    t = (trace - trace[0, 0, :, 0].min()).double() / 1000  # us
+    # us; NaN where a launch has fewer programs than the widest
+    t = torch.where(trace > 0, (trace - trace[0, 0, :, 0].min()).double() / 1000, float("nan"))
     start, end = t[..., 0].flatten(0, 1), t[..., 1].flatten(0, 1)  # [launches in order, programs]
-    last = end.max(-1).values
+    last = end.nan_to_num(float("-inf")).max(-1).values
     prev = torch.cat([last.new_full((1,), float("nan")), last[:-1]])  # the previous launch's last program's end
     after = (end - prev[:, None]).view(layers, phases, -1)[2:-2]
     slowest = (last - prev).view(layers, phases)[2:-2]
@@ -84,8 +85,8 @@ def triton_phases(model, ids, pos):
     print(f"triton kernel, one layer {period:.1f} us; per phase, after the previous launch's last program "
           "(medians over the middle layers, us):")
     for i, name in enumerate("A norm+qkv|B attention|C merge+o_proj|D norm+gate_up|E down".split("|")):
-        print(f"  {name:16}: programs end {after[:, i].median().item():5.2f} after (slowest "
-              f"{slowest[:, i].median().item():5.2f}), started {ahead[:, i].median().item():5.2f} before it")
+        print(f"  {name:16}: programs end {after[:, i].nanmedian().item():5.2f} after (slowest "
+              f"{slowest[:, i].median().item():5.2f}), started {ahead[:, i].nanmedian().item():5.2f} before it")
 
 
 def cuda_phases(model, ids, pos):

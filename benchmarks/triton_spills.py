@@ -94,7 +94,8 @@ def _decoder_layer():
     types = {p: "*bf16" for p in ("x_in", "residual", "res_mid", "qkv", "act", "w_ln", "w_qkv",
                                   "b_qkv", "q_norm_w", "k_norm_w", "w_o", "w_post", "w_gate_up", "w_down",
                                   "k_cache", "v_cache")}
-    types.update({p: "*fp32" for p in ("x_out", "attn_max", "attn_sum", "attn_acc", "o_out", "cos_sin_cache")})
+    types.update({p: "*fp32" for p in ("x_out", "attn_max", "attn_sum", "attn_acc", "attn_new", "o_out",
+                                       "cos_sin_cache")})
     types.update(barrier="*i32", trace="*i64", positions="*i64", slot_mapping="*i64", seq_lens="*i32",
                  block_table="*i32", eps="fp32", qk_eps="fp32", scale="fp32")
     plans = [*decode_layer._gemv_plan(4096, 1024, 1, 128, 2), *decode_layer._gemv_plan(1024, 256, 1, 16, 2),
@@ -103,7 +104,7 @@ def _decoder_layer():
     consts = dict(D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8, KV_PAD=8,
                   HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, **dict(zip(names, plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
-                  NPROG=128, PHASE=-1, DOT_PREC="tf32", PDL=False, TRACE=False,  # persistent: no PDL
+                  NPROG=128, PHASE=-1, DOT_PREC="tf32", PDL=False, TRACE=False, NEWEST_APART=False,  # persistent
                   LONG=True)  # both attention tile sizes: the most registers
     return decode_layer._decoder_layer_kernel, types, consts, decode_layer.NUM_WARPS, 1
 

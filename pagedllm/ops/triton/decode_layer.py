@@ -7,9 +7,10 @@ a tail: Qwen3-0.6B spent ~40 us a layer where reading its 31 MB of weights takes
 README.md, decode step latency). Here num_programs programs (at most one per SM) run the layer as five phases:
 
   A  residual add + RMSNorm, qkv projection
-  B  q/k RMSNorm + RoPE, the new token's K/V into the cache, attention split over the context (each
-     partition's first K/V tile requested before the wait for A)
-  C  the partitions merged, o_proj split over the kv heads (each program merges its kv head's query heads)
+  B  q/k RMSNorm + RoPE, attention to the cached keys split into partitions (each partition's first K/V tile
+     requested before the wait for A); the newest token's K/V into the cache and its scores, on their own
+  C  the partitions and the newest token merged, o_proj split over the kv heads (each program merges its kv
+     head's query heads)
   D  residual add (of o_proj's per-kv-head partial sums) + RMSNorm, gate_up projection, SiLU-and-mul
   E  down_proj, whose output and the residual are the next layer's input
 
@@ -40,7 +41,9 @@ layer's weights from the L2 the forward still took 685 us against 752. Attention
 its wait, the GEMVs' columns laid out so that each thread sums its own and bf16 widened with integer
 instructions took the forward at 1024 tokens from 747 to ~700 us, at 1100 from 810 to ~740; gate_up's shares spread
 over every program (16 + 8 rows, not 32 on three quarters of them) to ~660 / ~690; the attention partitions
-merged in o_proj's programs instead of by the last partition of each kv head to ~620 / ~660.
+merged in o_proj's programs instead of by the last partition of each kv head to ~620 / ~660 (the sessions' own
+machines; alternating on one H100 in the sixteenth session, 662 / 664 us), the newest token's attention on its own
+to 636 / 648.
 """
 from __future__ import annotations
 
@@ -228,32 +231,28 @@ def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr, PARTS: 
 
 
 @triton.jit
-def _attend_partition(kv_head, part, seq_len, cos, sin, d, qkv, q_norm_w, k_norm_w, eps, scale, slot_mapping,
-                      block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
-                      attn_max, attn_sum, attn_acc, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                      HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, NP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr,
-                      DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """The kv head's query rows over partition `part` of the context (whole BLOCK_N-key tiles): the partition's
-    max, sum and unnormalised output. The partition holding the newest token writes its K/V into the cache and
-    attends to it from registers."""
+def _attend_partition(kv_head, part, cached, cos, sin, d, qkv, q_norm_w, eps, scale, block_table, k_cache, v_cache,
+                      stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, attn_max, attn_sum, attn_acc,
+                      HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      NP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
+                      LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    """The kv head's query rows over partition `part` of the `cached` keys before the newest (whole BLOCK_N-key
+    tiles): the partition's max, sum and unnormalised output."""
     GROUP: tl.constexpr = HEADS // KV_HEADS
     HALF: tl.constexpr = HEAD_SIZE // 2
-    part_tokens = tl.cdiv(tl.cdiv(seq_len, NP), BLOCK_N) * BLOCK_N
+    part_tokens = tl.cdiv(tl.cdiv(cached, NP), BLOCK_N) * BLOCK_N
     start = part * part_tokens
-    end = tl.maximum(tl.minimum(start + part_tokens, seq_len), start)
-    # Every key but the newest was cached by an earlier step, and the step's metadata arrived before the graph's
-    # first kernel, so the partition's first tile is requested before the wait for phase A, whose q and newest
-    # k, v it then waits for: its block-table and K/V loads leave the chain after that wait (benchmarks/results/
-    # README.md, thirteenth session).
-    cached = seq_len - 1
+    end = tl.maximum(tl.minimum(start + part_tokens, cached), start)
+    # Every key here was cached by an earlier step, and the step's metadata arrived before the graph's first
+    # kernel, so the partition's first tile is requested before the wait for phase A, whose q it then waits for:
+    # its block-table and K/V loads leave the chain after that wait (benchmarks/results/README.md, thirteenth
+    # session).
     g = tl.arange(0, GROUP_PAD)
-    q_pos = tl.where(g < GROUP, seq_len - 1, -1)
+    q_pos = tl.where(g < GROUP, cached, -1)
     no_sparse = tl.zeros([GROUP_PAD], tl.int32)
     k0, v0, ok0, keep0 = load_kv_tile(start, cached, q_pos, k_cache, v_cache, block_table, kv_head, stride_kb,
                                       stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, no_sparse, 0, 0, 1, 1,
                                       HEAD_SIZE, HEAD_SIZE, BLOCK_SIZE, BLOCK_N, X, LAYOUT, True, False)
-    slot = tl.load(slot_mapping)
     if PDL:
         pdl.gdc_wait()
 
@@ -269,34 +268,12 @@ def _attend_partition(kv_head, part, seq_len, cos, sin, d, qkv, q_norm_w, k_norm
     m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k0, v0, ok0, keep0, start, cached, q_pos, no_alibi, qk_scale,
                               BLOCK_N, 0, True, False, False, DOT_PREC)
     rest = start + BLOCK_N
-    rest_end = tl.maximum(tl.minimum(end, cached), rest)
+    rest_end = tl.maximum(end, rest)
     m_i, l_i, acc = attend_range(
         q, m_i, l_i, acc, rest, rest + (rest_end - rest) // BLOCK_N * BLOCK_N, rest_end, cached, q_pos, no_alibi,
         qk_scale, k_cache, v_cache, block_table, kv_head, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
         stride_v2, no_sparse, 0, 0, 1, 1, HEAD_SIZE, HEAD_SIZE, BLOCK_SIZE, BLOCK_N, X, LAYOUT, 0, False, False,
         DOT_PREC)
-
-    if (end == seq_len) & (start < end):
-        k_ptr = qkv + (HEADS + kv_head) * HEAD_SIZE
-        one = tl.zeros([1, 1], tl.int32)
-        k1, k2 = rotated_heads(k_ptr, k_norm_w, eps, cos, sin, one, d, d < HALF, HALF, QK_NORM)
-        v_ptr = k_ptr + KV_HEADS * HEAD_SIZE + d
-        v1 = tl.load(v_ptr)
-        v2 = tl.load(v_ptr + HALF)
-        if slot >= 0:
-            store_token_kv(k_cache, v_cache, slot.to(tl.int64), k1, k2, v1, v2, kv_head, d, d < HALF, 1.0, 1.0,
-                           stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, HALF, BLOCK_SIZE, X,
-                           LAYOUT, 0)
-        # The newest key as one more online-softmax step, rounded as attend_kv rounds P for its dot.
-        s = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32) * k2.to(tl.float32),
-                                                                            axis=1)
-        m_new = tl.maximum(m_i, s * qk_scale)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * qk_scale - m_new).to(q.dtype).to(tl.float32)
-        l_i = l_i * alpha + p
-        v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), (1, HEAD_SIZE))
-        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
-        m_i = m_new
 
     dd = tl.arange(0, HEAD_SIZE)
     stat = (kv_head * GROUP + g) * NP + part
@@ -308,65 +285,116 @@ def _attend_partition(kv_head, part, seq_len, cos, sin, d, qkv, q_norm_w, k_norm
 
 
 @triton.jit
-def _attention(pid, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_cs, positions, slot_mapping,
-               seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
-               stride_v2, attn_max, attn_sum, attn_acc,
-               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-               NP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr,
-               X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr,
-               PDL: tl.constexpr):
-    """Phase B for program pid = (kv head, partition), its loads of earlier steps' data issued before the wait
-    for phase A (PDL); LONG: the step's contexts may need partitions longer than one BLOCK_N tile."""
+def _newest_token(kv_head, cos, sin, d, qkv, q_norm_w, k_norm_w, eps, scale, slot_mapping, k_cache, v_cache,
+                  stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, attn_new, HEADS: tl.constexpr,
+                  KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+    """The newest token's k (normed, rotated) and v into the cache, and its scores against the kv head's query
+    heads (log2 units, as attend_tile keeps them) for phase C's merge, which reads its v from qkv."""
+    GROUP: tl.constexpr = HEADS // KV_HEADS
     HALF: tl.constexpr = HEAD_SIZE // 2
-    kv_head = pid // NP
-    part = pid % NP
-    seq_len = tl.load(seq_lens)
+    slot = tl.load(slot_mapping)
+    if PDL:
+        pdl.gdc_wait()
+    g = tl.arange(0, GROUP_P2)
+    hq = g[:, None]
+    q1, q2 = rotated_heads(qkv + kv_head * GROUP * HEAD_SIZE, q_norm_w, eps, cos, sin, hq, d, hq < GROUP, HALF,
+                           QK_NORM)
+    k_ptr = qkv + (HEADS + kv_head) * HEAD_SIZE
+    one = tl.zeros([1, 1], tl.int32)
+    k1, k2 = rotated_heads(k_ptr, k_norm_w, eps, cos, sin, one, d, d < HALF, HALF, QK_NORM)
+    if slot >= 0:
+        v_ptr = k_ptr + KV_HEADS * HEAD_SIZE + d
+        store_token_kv(k_cache, v_cache, slot.to(tl.int64), k1, k2, tl.load(v_ptr), tl.load(v_ptr + HALF), kv_head,
+                       d, d < HALF, 1.0, 1.0, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, HALF,
+                       BLOCK_SIZE, X, LAYOUT, 0)
+    s = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)
+    tl.store(attn_new + kv_head * GROUP + g, s * (scale * LOG2E), mask=g < GROUP)
+
+
+@triton.jit
+def _attention(item, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_cs, positions, slot_mapping,
+               seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
+               stride_v2, attn_max, attn_sum, attn_acc, attn_new,
+               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+               GROUP_P2: tl.constexpr, NP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               LONG: tl.constexpr, NEWEST_APART: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+               QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    """Phase B's work item: (kv head, partition) = divmod(item, NP) of the keys cached by earlier steps, and the
+    newest token of a kv head: with NEWEST_APART as items of their own past those, else after the last partition
+    of each kv head. Loads of earlier steps' data are issued before the wait for phase A (PDL). LONG: the step's
+    contexts may need partitions longer than one BLOCK_N tile.
+
+    The newest token used to be a step of the partition holding it, after the tiles; where that partition held as
+    many tiles as the others, it was the layer's last by ~1.3 us (benchmarks/results/README.md, sixteenth session;
+    computed in every partition beside the tiles, the token's norm, RoPE and scores lengthened all of them by ~1
+    us). Apart, its items need KV_HEADS more programs in the same wave: not where a program takes a whole SM
+    (attention at ATTENTION_LONG_WARPS), and there the last partition is the one most often empty or short."""
+    HALF: tl.constexpr = HEAD_SIZE // 2
+    cached = tl.load(seq_lens) - 1
     pos = tl.load(positions).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
     cs = cos_sin_cache + pos * stride_cs + d
     cos = tl.load(cs).to(qkv.dtype.element_ty)
     sin = tl.load(cs + HALF).to(qkv.dtype.element_ty)
-    # A partition is one tile of BLOCK_N keys while the context allows, else tiles of 2 BLOCK_N: each tile is a
-    # chain of dependent loads that costs about the same at either size (benchmarks/results/README.md, twelfth
-    # session: Qwen3-0.6B's forward at 1320 tokens 825 us with 64-key tiles, 812 with the wider ones, at 3500
-    # 1022 against 960). The wide tiles compiled beside the narrow ones cost those ~0.5 us a layer (746 -> 775 us
-    # at 1024 tokens), so they are compiled only where the step's bound on its context (LONG) can need them;
-    # static_range then unrolls both sizes and the context picks one at run time.
-    if LONG:
-        wide = tl.cdiv(seq_len, NP) > BLOCK_N
+    if item < KV_HEADS * NP:
+        # A partition is one tile of BLOCK_N keys while the context allows, else tiles of 2 BLOCK_N: each tile is a
+        # chain of dependent loads that costs about the same at either size (benchmarks/results/README.md, twelfth
+        # session: Qwen3-0.6B's forward at 1320 tokens 825 us with 64-key tiles, 812 with the wider ones, at 3500
+        # 1022 against 960). The wide tiles compiled beside the narrow ones cost those ~0.5 us a layer (746 -> 775
+        # us at 1024 tokens), so they are compiled only where the step's bound on its context (LONG) can need them;
+        # static_range then unrolls both sizes and the context picks one at run time.
+        if LONG:
+            wide = tl.cdiv(cached, NP) > BLOCK_N
+        else:
+            wide = False
+        for w in tl.static_range(1 + LONG):
+            if wide == (w == 1):
+                _attend_partition(item // NP, item % NP, cached, cos, sin, d, qkv, q_norm_w, eps, scale, block_table,
+                                  k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+                                  attn_max, attn_sum, attn_acc, HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, NP,
+                                  BLOCK_SIZE, BLOCK_N * (w + 1), X, LAYOUT, QK_NORM, DOT_PREC, PDL)
+    if NEWEST_APART:
+        newest, kv_head = item >= KV_HEADS * NP, item - KV_HEADS * NP
     else:
-        wide = False
-    for w in tl.static_range(1 + LONG):
-        if wide == (w == 1):
-            _attend_partition(kv_head, part, seq_len, cos, sin, d, qkv, q_norm_w, k_norm_w, eps, scale, slot_mapping,
-                              block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
-                              stride_v2, attn_max, attn_sum, attn_acc, HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, NP,
-                              BLOCK_SIZE, BLOCK_N * (w + 1), X, LAYOUT, QK_NORM, DOT_PREC, PDL)
+        newest, kv_head = item % NP == NP - 1, item // NP
+    if newest:
+        _newest_token(kv_head, cos, sin, d, qkv, q_norm_w, k_norm_w, eps, scale, slot_mapping, k_cache, v_cache,
+                      stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, attn_new, HEADS, KV_HEADS,
+                      HEAD_SIZE, GROUP_P2, BLOCK_SIZE, X, LAYOUT, QK_NORM, PDL)
 
 
 @triton.jit
-def _merged_heads(kv_head, attn_max, attn_sum, attn_acc, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                  NP: tl.constexpr, NP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr):
+def _merged_heads(kv_head, attn_max, attn_sum, attn_acc, attn_new, v_new, GROUP: tl.constexpr,
+                  GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr):
     """The kv head's query heads' attention outputs, [GROUP_P2 * HEAD_SIZE] (padding heads 0), merged from the
-    partitions' max, sum and unnormalised output (m in log2 units, as attend_tile keeps it). The partitions are the
-    fastest axis in memory and in the tile, so each thread sums its channels' partitions itself: summed across the
-    warps of a 16-warp program (partitions leading), the merge took phase C from 4 to 9 us on the H100
-    (benchmarks/results/README.md, fifteenth session)."""
+    partitions' max, sum and unnormalised output (m in log2 units, as attend_tile keeps it) and the newest token's
+    score and value (v_new: its HEAD_SIZE channels). The partitions are the fastest axis in memory and in the tile,
+    so each thread sums its channels' partitions itself: summed across the warps of a 16-warp program (partitions
+    leading), the merge took phase C from 4 to 9 us on the H100 (benchmarks/results/README.md, fifteenth
+    session)."""
     c = tl.arange(0, GROUP_P2 * HEAD_SIZE)[:, None]
     p = tl.arange(0, NP_PAD)[None, :]
-    ok = (p < NP) & (c < GROUP * HEAD_SIZE)
+    real = c < GROUP * HEAD_SIZE
+    ok = (p < NP) & real
     head = kv_head * GROUP + c // HEAD_SIZE
     mp = tl.load(attn_max + head * NP + p, mask=ok, other=float("-inf"))
-    mx = tl.max(mp, axis=1)
-    weight = tl.exp2(mp - tl.where(mx == float("-inf"), 0.0, mx)[:, None])
-    den = tl.sum(weight * tl.load(attn_sum + head * NP + p, mask=ok, other=0.0), axis=1)
+    m_new = tl.load(attn_new + head, mask=real, other=float("-inf"))  # [channels, 1]
+    mx = tl.max(tl.maximum(mp, m_new), axis=1)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)[:, None]
+    weight = tl.exp2(mp - mx)
+    # the newest token's weight added to the first partition's column, not summed on its own: a reduction more
+    # (over an axis of one) cost phase C ~0.5 us
+    w_new = tl.where(p == 0, tl.exp2(m_new - mx), 0.0)
+    v = tl.load(v_new + c % HEAD_SIZE, mask=real, other=0.0).to(tl.float32)
+    den = tl.sum(weight * tl.load(attn_sum + head * NP + p, mask=ok, other=0.0) + w_new, axis=1)
     parts = tl.load(attn_acc + (kv_head * GROUP * HEAD_SIZE + c) * NP + p, mask=ok, other=0.0)
-    return tl.sum(weight * parts, axis=1) / tl.where(den == 0.0, 1.0, den)
+    return tl.sum(weight * parts + w_new * v, axis=1) / tl.where(den == 0.0, 1.0, den)
 
 
 @triton.jit
 def _decoder_layer_kernel(
-    x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, o_out, act, barrier, barrier_base,
+    x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_new, o_out, act, barrier, barrier_base,
     w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, post_eps, qk_eps, scale,
     cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, trace,
@@ -375,7 +403,8 @@ def _decoder_layer_kernel(
     GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr,
     A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr, U_RPP: tl.constexpr,
     U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, NEWEST_APART: tl.constexpr,
+    X: tl.constexpr, LAYOUT: tl.constexpr,
     QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr, TRACE: tl.constexpr,
 ):
@@ -413,19 +442,19 @@ def _decoder_layer_kernel(
         share = _weight_share(w_o + o_head * O_K, pid % NP, o_rows, O_K, GROUP_P2 * HEAD_SIZE, O_RPP, O_STEPS,
                               O_RPP2, 1, HEADS * HEAD_SIZE)
     if PHASE < 0 or PHASE == 1:
-        if pid < KV_HEADS * NP:
+        if pid < KV_HEADS * (NP + NEWEST_APART):  # in five launches, every program of phase B's
             _attention(pid, qkv, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache, stride_cs, positions,
                        slot_mapping, seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2,
-                       stride_vb, stride_vh, stride_v2, attn_max, attn_sum, attn_acc, HEADS, KV_HEADS, HEAD_SIZE,
-                       GROUP_PAD, NP, BLOCK_SIZE, BLOCK_N, LONG, X, LAYOUT, QK_NORM, DOT_PREC, PDL)
-        elif PDL:
-            pdl.gdc_wait()
+                       stride_vb, stride_vh, stride_v2, attn_max, attn_sum, attn_acc, attn_new, HEADS, KV_HEADS,
+                       HEAD_SIZE, GROUP_PAD, GROUP_P2, NP, BLOCK_SIZE, BLOCK_N, LONG, NEWEST_APART, X, LAYOUT,
+                       QK_NORM, DOT_PREC, PDL)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 2 * NPROG)
     if PHASE < 0 or PHASE == 2:
         if PDL:
             pdl.gdc_wait()
-        o = _merged_heads(o_head, attn_max, attn_sum, attn_acc, GROUP, GROUP_P2, NP, NP_PAD, HEAD_SIZE)
+        o = _merged_heads(o_head, attn_max, attn_sum, attn_acc, attn_new,
+                          qkv + (HEADS + KV_HEADS + o_head) * HEAD_SIZE, GROUP, GROUP_P2, NP, NP_PAD, HEAD_SIZE)
         # rounded as the attention output the layers' o_proj reads
         o = o.to(qkv.dtype.element_ty)
         _gemv(w_o + o_head * O_K, share, pid % NP, o_rows, o, o_out + o_head, o_out, O_K,
@@ -514,6 +543,10 @@ class DecoderLayerKernel:
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype = dtype
         self.partitions = max(1, num_programs // num_kv_heads)
+        # the most programs of each of the five launches (phase B: one per kv head and partition, and one per kv head
+        # for the newest token); the persistent launch has num_programs
+        self.launch_programs = [num_programs] * PHASES
+        self.launch_programs[1] = num_kv_heads * (self.partitions + 1)
         q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
         itemsize = dtype.itemsize
         self.plans = plans = (*_gemv_plan(q_width + 2 * kv_width, hidden_size, 1, num_programs, itemsize),
@@ -532,11 +565,12 @@ class DecoderLayerKernel:
         self.qkv = buf(q_width + 2 * kv_width, dtype=dtype)
         self.attn_stats = buf(2, num_heads, self.partitions)
         self.attn_acc = buf(num_heads, head_size, self.partitions)
+        self.attn_new = buf(num_heads)  # the newest token's scores
         self.o_out = buf(hidden_size, num_kv_heads)  # o_proj's partial sums, one per kv head
         self.act = buf(intermediate_size, dtype=dtype)
         self.barrier = buf(1, dtype=torch.int32)  # the persistent mode's
-        # int64 [layers, PHASES, num_programs, 2] to receive each program's start and end (GPU nanoseconds) in each
-        # phase's launch, five launches only: benchmarks/decode_layer.py sets it.
+        # int64 [layers, PHASES, max(launch_programs), 2] to receive each program's start and end (GPU nanoseconds)
+        # in each phase's launch, five launches only: benchmarks/decode_layer.py sets it.
         self.trace: torch.Tensor | None = None
 
     @staticmethod
@@ -600,21 +634,25 @@ class DecoderLayerKernel:
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
             DOT_PREC=_host.dot_precision(self.dtype), num_stages=1)
         args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
-                self.attn_acc, self.o_out, self.act, self.barrier, layer * (PHASES - 1) * self.num_programs,
+                self.attn_acc, self.attn_new, self.o_out, self.act, self.barrier,
+                layer * (PHASES - 1) * self.num_programs,
                 w.input_norm, w.qkv, w.qkv if w.qkv_bias is None else w.qkv_bias,
                 w.q_norm if qk_norm else w.input_norm, w.k_norm if qk_norm else w.input_norm, w.o, w.post_norm,
                 w.gate_up, w.down, w.eps, w.post_eps, w.qk_eps, scale, cos_sin_cache, cos_sin_cache.stride(0),
                 positions, slot_mapping, seq_lens, block_table, key_cache, value_cache, *key_cache.stride()[:3],
                 *value_cache.stride()[:3])
-        grid = (self.num_programs,)
         phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
         if self.trace is not None and not (phased and x_in.is_cuda):
             raise ValueError("decoder-layer kernel: the trace times the five launches on a GPU")
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
         # phase frees and request their weights before they wait for its results.
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
-        configs = self._launch_configs(long, triton.cdiv(max_seq_len, self.partitions) > 3 * block_n,
-                                       x_in.is_cuda and torch.version.hip is None)
+        many_keys = triton.cdiv(max_seq_len, self.partitions) > 3 * block_n
+        configs = self._launch_configs(long, many_keys, x_in.is_cuda and torch.version.hip is None)
+        # the newest token's attention items apart, past the partitions' (_attention says where not)
+        apart = phased and not many_keys
+        programs = list(self.launch_programs)
+        programs[1] = self.num_kv_heads * (self.partitions + apart)
         for phase in range(PHASES) if phased else (-1,):
             warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
             # LONG only where attention runs (o_proj's warps and gate_up's register cap follow it): the other phases'
@@ -622,6 +660,8 @@ class DecoderLayerKernel:
             # are bound by their instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE
             # kernel has them (fused.py).
             trace = self.barrier if self.trace is None else self.trace[layer, phase]
+            grid = (programs[phase] if phase >= 0 else self.num_programs,)
             _decoder_layer_kernel[grid](*args, trace=trace, TRACE=self.trace is not None, PHASE=phase,
-                                        LONG=long and phase in (-1, 1), num_warps=warps,
-                                        enable_fp_fusion=phase not in (-1, 1), **limits, **dependent, **consts)
+                                        LONG=long and phase in (-1, 1), NEWEST_APART=apart and phase == 1,
+                                        num_warps=warps, enable_fp_fusion=phase not in (-1, 1), **limits,
+                                        **dependent, **consts)
