@@ -73,8 +73,10 @@ def triton_phases(model, ids, pos):
         graph_time_us(lambda: model(ids, pos), 1)  # the trace keeps the last replay's times
     finally:
         kernel.trace = None
-    # us; NaN where a launch has fewer programs than the widest
-    t = torch.where(trace > 0, (trace - trace[0, 0, :, 0].min()).double() / 1000, float("nan"))
+    # us from the first program's start (subtracted in int64: as float64 the clock's ~1.8e18 ns has 256-ns steps);
+    # NaN where a launch has fewer programs than the widest
+    origin = trace[..., 0][trace[..., 0] > 0].min()
+    t = torch.where(trace > 0, (trace - origin).double() / 1000, float("nan"))
     start, end = t[..., 0].flatten(0, 1), t[..., 1].flatten(0, 1)  # [launches in order, programs]
     last = end.nan_to_num(float("-inf")).max(-1).values
     prev = torch.cat([last.new_full((1,), float("nan")), last[:-1]])  # the previous launch's last program's end
