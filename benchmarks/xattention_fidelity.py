@@ -13,6 +13,7 @@ Text: the Python language reference topics shipped with the standard library (``
    agreement and KL(dense || sparse) of the next-token distributions; (c) needle in a haystack: a passphrase
    sentence at several depths of a ``--haystack`` token prefix of the text, asked for through the chat
    template and generated greedily by the dense engine and by the engine with ``sparse_prefill="xattention"``.
+``--share-kv-heads``: every selection shared by a kv head's query heads (``xattn_share_kv_heads``).
 Writes JSON and a markdown table (printed too).
 
     PYTHONPATH=. .venv/bin/python benchmarks/xattention_fidelity.py [--length 8192] [--haystack 7500]
@@ -38,7 +39,7 @@ from pagedllm.ops.xattention import reference as ref
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 128
-ENGINE_SPARSE = SparsePrefill(threshold=0.9, stride=8, block_size=BLOCK)  # the engine's defaults
+ENGINE_SPARSE = SparsePrefill(threshold=0.9, stride=8, block_size=BLOCK)  # the engine's defaults (not shared)
 TEXT_SOURCE = (f"pydoc_data.topics of Python {sys.version.split()[0]}: the language reference topics, "
                "values joined by blank lines in dict order")
 WORDS = ["amber", "falcon", "copper", "meadow", "violet", "harbor", "glacier", "lantern", "orchid", "tundra",
@@ -105,7 +106,7 @@ def captured_qkv(model):
             h.remove()
 
 
-def layer_stats(qkv, strides, thresholds, error_strides):
+def layer_stats(qkv, strides, thresholds, error_strides, share_kv_heads):
     """Per layer: XAttention density for each (stride, threshold) and, for the error_strides, the
     block-sparse output's error (the reference sparse attention is ~10 s per call at 8K on 2 cores)."""
     rows = []
@@ -115,6 +116,8 @@ def layer_stats(qkv, strides, thresholds, error_strides):
         for stride in strides:
             # xattn_estimate is block_sums + select_blocks; the sums are shared by the thresholds
             sums, first = ref.block_sums(q, k, BLOCK, stride, 16384, True)
+            if share_kv_heads:
+                sums = ref.kv_head_sums(sums, k.shape[1])
             for thr in thresholds:
                 mask, density = ref.select_blocks(sums, first, thr)
                 key = f"s{stride}_t{thr}"
@@ -166,11 +169,13 @@ def needle_prompts(tokenizer, text, haystack_tokens, depths, seed=0):
     return out
 
 
-def run_needles(prompts, max_tokens):
+def run_needles(prompts, max_tokens, sparse):
     """Greedy answers of the dense engine and of the XAttention engine; one request at a time and no
     prefix caching, so every prompt is one whole-prompt prefill step (sparse where the engine says so)."""
     common = dict(dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=8192)
-    engines = {"dense": {}, "xattention": dict(sparse_prefill="xattention", xattn_threshold=0.9,
+    engines = {"dense": {}, "xattention": dict(sparse_prefill="xattention", xattn_threshold=sparse.threshold,
+                                               xattn_stride=sparse.stride, xattn_block_size=sparse.block_size,
+                                               xattn_share_kv_heads=sparse.share_kv_heads,
                                                xattn_min_prompt_len=1024)}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     rows = [dict(depth=d, passphrase=p) for d, p, _ in prompts]
@@ -193,8 +198,10 @@ def markdown(result) -> str:
     names = [f"stride {s}, thr {t}" for s in result["strides"] for t in thresholds]
     err_keys = [f"s{s}_t{t}" for s in result["error_strides"] for t in thresholds]
     err_names = [f"stride {s}, thr {t}" for s in result["error_strides"] for t in thresholds]
+    shared = result["engine_sparse_prefill"]["share_kv_heads"]
     lines = [f"## XAttention on real text: SmolLM2-135M-Instruct, float32, CPU ({result['date']})", "",
-             f"Text: {result['text']}; {result['length']} tokens; block {BLOCK}.", "",
+             f"Text: {result['text']}; {result['length']} tokens; block {BLOCK}; selection "
+             f"{'shared by each kv head' if shared else 'per query head'}.", "",
              "### Density (kept fraction of causal blocks) and attention-output relative error, per layer", "",
              "| layer | " + " | ".join(f"density {n}" for n in names) + " | "
              + " | ".join(f"rel err {n}" for n in err_names) + " |",
@@ -204,8 +211,9 @@ def markdown(result) -> str:
         lines.append(f"| {r['layer']} | " + " | ".join(f"{r[f'density_{k}']:.3f}" for k in keys) + " | "
                      + " | ".join(f"{r[f'rel_err_{k}']:.4f}" for k in err_keys) + " |")
     p = result["perplexity"]
-    lines += ["", f"### Perplexity, dense vs the model's XAttention prefill (threshold {ENGINE_SPARSE.threshold}, "
-              f"stride {ENGINE_SPARSE.stride}, block {BLOCK}, all layers), {p['tokens']} tokens", "",
+    sparse = result["engine_sparse_prefill"]
+    lines += ["", f"### Perplexity, dense vs the model's XAttention prefill (threshold {sparse['threshold']}, "
+              f"stride {sparse['stride']}, block {BLOCK}, all layers), {p['tokens']} tokens", "",
               "| prefill | ppl (all) | ppl (second half) |", "|---|---|---|",
               f"| dense | {p['ppl_dense']:.4f} | {p['ppl_dense_second_half']:.4f} |",
               f"| XAttention | {p['ppl_sparse']:.4f} | {p['ppl_sparse_second_half']:.4f} |", "",
@@ -234,8 +242,11 @@ def main():
     parser.add_argument("--haystack", type=int, default=7500, help="haystack tokens (0 = no needle test)")
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--share-kv-heads", action="store_true",
+                        help="one selection per kv head, from its query heads' block sums added together")
     parser.add_argument("--out", default=None, help="JSON path (the .md goes beside it)")
     args = parser.parse_args()
+    sparse = dataclasses.replace(ENGINE_SPARSE, share_kv_heads=args.share_kv_heads)
     start = time.time()
     model, tokenizer, ids = load_text_model(torch.float32, "cpu")
     ids = ids[:args.length]
@@ -243,10 +254,10 @@ def main():
     with captured_qkv(model) as qkv:
         dense_hidden = prefill_hidden(model, ids, None)
     print(f"dense prefill done ({time.time() - start:.0f} s)", flush=True)
-    layers = layer_stats(qkv, args.strides, args.thresholds, args.error_strides)
+    layers = layer_stats(qkv, args.strides, args.thresholds, args.error_strides, args.share_kv_heads)
     del qkv
     layer_mean = {k: sum(r[k] for r in layers) / len(layers) for k in layers[0] if k != "layer"}
-    sparse_hidden = prefill_hidden(model, ids, ENGINE_SPARSE)
+    sparse_hidden = prefill_hidden(model, ids, sparse)
     print(f"sparse prefill done ({time.time() - start:.0f} s)", flush=True)
     perplexity = compare_logits(model, ids, dense_hidden, sparse_hidden)
     del model, dense_hidden, sparse_hidden
@@ -254,13 +265,13 @@ def main():
     needle = []
     if args.haystack:
         needle = run_needles(needle_prompts(tokenizer, reference_text(), args.haystack, args.depths),
-                             args.max_tokens)
+                             args.max_tokens, sparse)
 
     result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), model=MODEL, dtype="float32",
                   device="cpu", torch=torch.__version__, text=TEXT_SOURCE, length=int(ids.shape[0]),
                   block_size=BLOCK, strides=args.strides, thresholds=args.thresholds,
                   error_strides=args.error_strides,
-                  engine_sparse_prefill=dataclasses.asdict(ENGINE_SPARSE),
+                  engine_sparse_prefill=dataclasses.asdict(sparse),
                   layers=layers, layer_mean=layer_mean, perplexity=perplexity, needle=needle,
                   wall_s=round(time.time() - start))
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -49,6 +49,10 @@ class EngineConfig:
     xattn_stride: int = 8
     xattn_block_size: int = 128
     xattn_min_prompt_len: int = 8192
+    # One block selection per kv head, from its query heads' block scores added together (benchmarks/results/
+    # README.md, sixteenth session: on real text 5% more blocks, the same error, heads of a group reading the
+    # same K/V blocks).
+    xattn_share_kv_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.device is None:

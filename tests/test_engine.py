@@ -184,14 +184,16 @@ def test_xattention_prefill_at_threshold_one_equals_dense(llm, prompts, monkeypa
     from pagedllm.ops import xattention
     calls = []
     real = xattention.xattention_paged_prefill
-    monkeypatch.setattr(xattention, "xattention_paged_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(xattention, "xattention_paged_prefill",
+                        lambda *a, **k: calls.append(k["share_kv_heads"]) or real(*a, **k))
     sparse = LLM(MODEL, dtype="float32", sparse_prefill="xattention", xattn_threshold=1.0, xattn_stride=8,
-                 xattn_block_size=64, xattn_min_prompt_len=256, max_num_batched_tokens=512)
+                 xattn_block_size=64, xattn_min_prompt_len=256, xattn_share_kv_heads=True,
+                 max_num_batched_tokens=512)
     # A long prompt prefilled in chunks against its cached prefix, next to a short one, then a prefix hit.
     workload = [prompts[3], prompts[0], prompts[3][:700] + [11, 12, 13]]
     assert token_ids(sparse.generate(workload, GREEDY, use_tqdm=False)) == \
         token_ids(llm.generate(workload, GREEDY, use_tqdm=False))
-    assert calls  # the long prefills really went through XAttention
+    assert calls and all(calls)  # the long prefills really went through XAttention, with the engine's options
 
 
 def test_final_only_steps_return_each_request_once_when_finished(llm):

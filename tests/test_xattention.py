@@ -182,6 +182,30 @@ def test_estimate_triton_matches_reference(triton_backend):
     assert 0 < float(density) < 1
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_shared_selection_is_one_per_kv_head(backend):
+    """share_kv_heads: each kv head's query heads select together, from their block sums added up (with per-head
+    thresholds, each head applies its own to the group's sums)."""
+    ops.set_backend(backend)
+    torch.manual_seed(5)
+    q_len, k_len, block = 256, 448, 64
+    # each block of keys along a direction of its own, each query head drawn to one of them: the heads of a group
+    # disagree, so their own selections differ from the group's
+    u = torch.nn.functional.normalize(torch.randn(7, 64), dim=-1)
+    k = (0.3 * torch.randn(1, 2, k_len, 64) + 6 * u[torch.arange(k_len) // block]).half()
+    q = (0.3 * torch.randn(1, 6, q_len, 64) + 6 * u[[1, 2, 3, 4, 5, 1]][None, :, None, :]).half()
+    mask, density = xa.xattn_estimate(q, k, block, 8, 0.9, chunk_size=128, share_kv_heads=True)
+    sums, first = ref.block_sums(q, k, block, 8, 128, True)
+    grouped = sums.view(1, 2, 3, *sums.shape[2:]).sum(2)
+    want = _brute_force_select(grouped, first, torch.full((2,), 0.9), True).repeat_interleave(3, dim=1)
+    assert torch.equal(mask, want)
+    per_head, per_head_density = xa.xattn_estimate(q, k, block, 8, 0.9, chunk_size=128)
+    assert not torch.equal(mask, per_head) and float(per_head_density) < float(density) < 1
+    thr = torch.tensor([0.5, 0.9, 0.97, 0.6, 0.8, 0.99])
+    mask, _ = xa.xattn_estimate(q, k, block, 8, thr, chunk_size=128, share_kv_heads=True)
+    assert torch.equal(mask, _brute_force_select(grouped.repeat_interleave(3, dim=1), first, thr, True))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Block-sparse attention
 # ----------------------------------------------------------------------------------------------------
@@ -302,13 +326,15 @@ def test_paged_threshold_one_equals_paged_prefill(backend, layout, kv_cache_dtyp
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("layout", ops_ref.KV_CACHE_LAYOUTS)
-def test_paged_triton_matches_reference(triton_backend, layout):
+@pytest.mark.parametrize("layout,share_kv_heads", [(layout, False) for layout in ops_ref.KV_CACHE_LAYOUTS] +
+                         [("vllm", True)])
+def test_paged_triton_matches_reference(triton_backend, layout, share_kv_heads):
     args = _paged_case([(256, 256), (130, 400)], 4, 1, 64, 16, "auto", torch.float16, seed=8, layout=layout)
     out, want = torch.zeros_like(args[0]), torch.zeros_like(args[0])
     thr = torch.tensor([0.5, 0.7, 0.8, 0.9])
-    xa.xattention_paged_prefill(out, *args, threshold=thr, stride=4, block_size=32)
-    ref.xattention_paged_prefill(want, *args, threshold=thr, stride=4, block_size=32)
+    options = dict(threshold=thr, stride=4, block_size=32, share_kv_heads=share_kv_heads)
+    xa.xattention_paged_prefill(out, *args, **options)
+    ref.xattention_paged_prefill(want, *args, **options)
     torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
     dense = torch.zeros_like(out)
     ops_ref.paged_prefill(dense, *args)

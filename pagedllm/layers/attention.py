@@ -28,6 +28,7 @@ class SparsePrefill:
     threshold: float
     stride: int
     block_size: int
+    share_kv_heads: bool = False  # one selection per kv head (ops.xattention.reference.kv_head_sums)
 
 
 @dataclass
@@ -160,4 +161,5 @@ class Attention(nn.Module):
                 ops.paged_prefill(*args)
             else:
                 xattention.xattention_paged_prefill(*args, threshold=sparse.threshold, stride=sparse.stride,
-                                                    block_size=sparse.block_size)
+                                                    block_size=sparse.block_size,
+                                                    share_kv_heads=sparse.share_kv_heads)

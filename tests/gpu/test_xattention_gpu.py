@@ -149,19 +149,23 @@ def test_paged_threshold_one_equals_paged_prefill(kv_cache_dtype, layout):
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_paged_sparse_matches_dense_sparse():
+@pytest.mark.parametrize("share_kv_heads", [False, True])
+def test_paged_sparse_matches_dense_sparse(share_kv_heads):
     """At threshold 0.9 the paged op equals block-sparse attention over the gathered K/V with the mask the
-    estimate picks for them."""
+    estimate picks for them (with share_kv_heads, one mask for each kv head's query heads)."""
     args = _paged(_SEQS[1:], "auto", layout="hnd")
     query, tables, qsl = args[0], args[5], args[7].tolist()
     key_cache, value_cache = ops_ref.as_vllm_layout(args[1], args[2])
     out = torch.empty_like(query)
-    xa.xattention_paged_prefill(out, *args, threshold=0.9)
+    xa.xattention_paged_prefill(out, *args, threshold=0.9, share_kv_heads=share_kv_heads)
     for i, (q_len, seq_len) in enumerate(_SEQS[1:]):
         k = ref.gather_sequence(key_cache, tables[i], seq_len, "auto", 1.0, torch.bfloat16, True)[None]
         v = ref.gather_sequence(value_cache, tables[i], seq_len, "auto", 1.0, torch.bfloat16, False)[None]
         q = query[qsl[i]:qsl[i + 1]].transpose(0, 1)[None]
-        mask, density = xa.xattn_estimate(q, k, 128, 8, 0.9)
+        mask, density = xa.xattn_estimate(q, k, 128, 8, 0.9, share_kv_heads=share_kv_heads)
         assert float(density) < 1
+        if share_kv_heads:
+            group = mask.view(1, k.shape[1], -1, *mask.shape[2:])
+            assert bool((group == group[:, :, :1]).all())
         want = ref.block_sparse_attention(q, k, v, mask)[0].transpose(0, 1)
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), want.float(), rtol=2e-2, atol=2e-2)

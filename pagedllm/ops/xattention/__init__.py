@@ -40,13 +40,14 @@ def softmax_fuse_block_sum(attn_weights_slice, reshaped_block_size, segment_size
               scale, is_causal)
 
 
-def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True):
+def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True,
+                   share_kv_heads=False):
     """``(block_mask, density)``; see ``reference.xattn_estimate``."""
     if _use_triton(query):
         from pagedllm.ops.xattention.estimate import xattn_estimate as fn
     else:
         fn = reference.xattn_estimate
-    return fn(query, key, block_size, stride, threshold, chunk_size, causal)
+    return fn(query, key, block_size, stride, threshold, chunk_size, causal, share_kv_heads)
 
 
 def block_sparse_attention(q, k, v, block_mask, block_size=128, causal=True, scale=None):
@@ -59,11 +60,12 @@ def block_sparse_attention(q, k, v, block_mask, block_size=128, causal=True, sca
 
 def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                              query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
-                             k_scale, v_scale, threshold=0.9, stride=8, block_size=128) -> None:
+                             k_scale, v_scale, threshold=0.9, stride=8, block_size=128,
+                             share_kv_heads=False) -> None:
     if _use_triton(query):
         from pagedllm.ops.xattention.sparse_attention import xattention_paged_prefill as fn
     else:
         fn = reference.xattention_paged_prefill
     fn(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, query_start_loc,
        max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, threshold, stride,
-       block_size)
+       block_size, share_kv_heads)

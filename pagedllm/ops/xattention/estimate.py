@@ -296,8 +296,11 @@ def select_blocks(block_sums, first_q_block, threshold, causal=True):
     return mask, ref.density(mask, visible)
 
 
-def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True):
+def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True,
+                   share_kv_heads=False):
     sums, first = block_sums(query, key, block_size, stride, chunk_size, causal)
+    if share_kv_heads:
+        sums = ref.kv_head_sums(sums, key.shape[1])
     return select_blocks(sums, first, threshold, causal)
 
 

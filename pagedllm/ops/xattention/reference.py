@@ -220,10 +220,21 @@ def block_sums(query, key, block_size, stride, chunk_size, causal):
     return torch.cat(sums, dim=2), first
 
 
-def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True):
+def kv_head_sums(block_sums, num_kv_heads):
+    """The block sums of each kv head's query heads added together and given to each of them, so that the group
+    selects one set of blocks (``share_kv_heads``): its heads then read the same K/V blocks."""
+    b, h = block_sums.shape[:2]
+    grouped = block_sums.view(b, num_kv_heads, h // num_kv_heads, *block_sums.shape[2:]).sum(2, keepdim=True)
+    return grouped.expand(-1, -1, h // num_kv_heads, -1, -1).reshape(block_sums.shape)
+
+
+def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True,
+                   share_kv_heads=False):
     """``(block_mask, density)`` of :func:`select_blocks` over :func:`block_sums`; ``threshold`` is a float
-    or a per-head tensor ([H] or [B, H])."""
+    or a per-head tensor ([H] or [B, H]). ``share_kv_heads``: select over :func:`kv_head_sums`."""
     sums, first = block_sums(query, key, block_size, stride, chunk_size, causal)
+    if share_kv_heads:
+        sums = kv_head_sums(sums, key.shape[1])
     return select_blocks(sums, first, threshold, causal)
 
 
@@ -290,7 +301,7 @@ def gather_sequence(cache, block_table_row, seq_len, kv_cache_dtype, scale, dtyp
 
 def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                              query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
-                             k_scale, v_scale, threshold=0.9, stride=8, block_size=128):
+                             k_scale, v_scale, threshold=0.9, stride=8, block_size=128, share_kv_heads=False):
     """``paged_prefill`` restricted per sequence to the blocks XAttention selects for its new tokens against
     its whole context; equals ``paged_prefill`` for ``threshold >= 1``."""
     plan = prefill_plan(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
@@ -301,6 +312,6 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
         k = gather_sequence(key_cache, block_tables[seq], seq_len, kv_cache_dtype, k_scale, cdt, True)[None]
         v = gather_sequence(value_cache, block_tables[seq], seq_len, kv_cache_dtype, v_scale, cdt, False)[None]
         q = query[q0:q0 + q_len].transpose(0, 1)[None].to(cdt)  # [1, H, q_len, D]
-        mask, _ = xattn_estimate(q, k, block_size, stride, threshold)
+        mask, _ = xattn_estimate(q, k, block_size, stride, threshold, share_kv_heads=share_kv_heads)
         o = block_sparse_attention(q, k, v, mask, block_size, True, scale)
         out[q0:q0 + q_len] = o[0].transpose(0, 1).to(out.dtype)
