@@ -49,9 +49,9 @@ class EngineConfig:
     xattn_stride: int = 8
     xattn_block_size: int = 128
     xattn_min_prompt_len: int = 8192
-    # One block selection per kv head, from its query heads' block scores added together (benchmarks/results/
-    # README.md, sixteenth session: on real text 5% more blocks, the same error, heads of a group reading the
-    # same K/V blocks).
+    # One block selection per kv head, from its query heads' block scores added together, so that a group's heads
+    # read the same K/V blocks (benchmarks/results/README.md, sixteenth session: on real text ~6% more blocks and
+    # a lower error than per-head selection; its speed not yet measured on the GPU).
     xattn_share_kv_heads: bool = False
 
     def __post_init__(self) -> None:
