@@ -198,7 +198,7 @@ def markdown(result) -> str:
     names = [f"stride {s}, thr {t}" for s in result["strides"] for t in thresholds]
     err_keys = [f"s{s}_t{t}" for s in result["error_strides"] for t in thresholds]
     err_names = [f"stride {s}, thr {t}" for s in result["error_strides"] for t in thresholds]
-    shared = result["engine_sparse_prefill"]["share_kv_heads"]
+    shared = result["engine_sparse_prefill"].get("share_kv_heads", False)  # results before it had the option
     lines = [f"## XAttention on real text: SmolLM2-135M-Instruct, float32, CPU ({result['date']})", "",
              f"Text: {result['text']}; {result['length']} tokens; block {BLOCK}; selection "
              f"{'shared by each kv head' if shared else 'per query head'}.", "",

@@ -335,6 +335,10 @@ def test_paged_triton_matches_reference(triton_backend, layout, share_kv_heads):
     options = dict(threshold=thr, stride=4, block_size=32, share_kv_heads=share_kv_heads)
     xa.xattention_paged_prefill(out, *args, **options)
     ref.xattention_paged_prefill(want, *args, **options)
+    if share_kv_heads:  # the shared selection is not the per-head one
+        per_head = torch.zeros_like(out)
+        ref.xattention_paged_prefill(per_head, *args, **dict(options, share_kv_heads=False))
+        assert (want - per_head).abs().max() > 1e-2
     torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
     dense = torch.zeros_like(out)
     ops_ref.paged_prefill(dense, *args)

@@ -3,7 +3,7 @@
 Public ops (semantics and block geometry in ``reference.py``):
 ``flat_group_gemm_fuse_reshape``, ``softmax_fuse_block_sum`` (the seed's two estimation stages),
 ``xattn_estimate`` (fused estimation + block selection), ``block_sparse_attention`` (dense K/V) and
-``xattention_paged_prefill`` (``paged_prefill``'s arguments plus threshold/stride/block_size).
+``xattention_paged_prefill`` (``paged_prefill``'s arguments plus threshold/stride/block_size/share_kv_heads).
 
 Backend per call, the same choice as every other op in ``pagedllm.ops``: the reference backend runs the
 PyTorch references, any other (Triton, CUDA) runs the Triton kernels; ``PAGEDLLM_OPS_BACKEND=triton`` runs

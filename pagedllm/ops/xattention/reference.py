@@ -222,7 +222,8 @@ def block_sums(query, key, block_size, stride, chunk_size, causal):
 
 def kv_head_sums(block_sums, num_kv_heads):
     """The block sums of each kv head's query heads added together and given to each of them, so that the group
-    selects one set of blocks (``share_kv_heads``): its heads then read the same K/V blocks."""
+    selects one set of blocks (``share_kv_heads``): its heads then read the same K/V blocks. (With per-head
+    thresholds that differ within a group, each head applies its own to the group's sums.)"""
     b, h = block_sums.shape[:2]
     grouped = block_sums.view(b, num_kv_heads, h // num_kv_heads, *block_sums.shape[2:]).sum(2, keepdim=True)
     return grouped.expand(-1, -1, h // num_kv_heads, -1, -1).reshape(block_sums.shape)
@@ -303,7 +304,8 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
                              query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
                              k_scale, v_scale, threshold=0.9, stride=8, block_size=128, share_kv_heads=False):
     """``paged_prefill`` restricted per sequence to the blocks XAttention selects for its new tokens against
-    its whole context; equals ``paged_prefill`` for ``threshold >= 1``."""
+    its whole context (``share_kv_heads`` as ``xattn_estimate``'s); equals ``paged_prefill`` for
+    ``threshold >= 1``."""
     plan = prefill_plan(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                         query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype)
     key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
