@@ -34,6 +34,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # The most logprobs a request may ask for per token (vLLM's default: 20).
+    max_logprobs: int = 20
     attention_backend: str | None = None
     # No CUDA graphs at all (same as cudagraph_mode="none").
     enforce_eager: bool = False
@@ -77,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         self.cudagraph_mode = str(self.cudagraph_mode).lower()
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")

@@ -5,6 +5,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """vLLM's per-token logprob entry: the log-probability, the token's rank in the vocabulary (1 = most likely)
+    and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -12,8 +21,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     # The stop string or stop token id that ended the sample (None for EOS or length).
     stop_reason: int | str | None = None
-    # Per generated token: {token_id: logprob} for the sampled token and the top-k ones.
-    logprobs: list[dict[int, float]] | None = None
+    # Per generated token: {token_id: Logprob} for the sampled token and the top-k ones.
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
     def finished(self) -> bool:

@@ -61,9 +61,9 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.repetition_penalty <= 0.0:
             raise bad("repetition_penalty", "must be > 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63 - 1024):
-            # A generator takes a 64-bit seed and each sample adds its index to it.
-            raise bad("seed", "must be an integer in [0, 2**63 - 1024)")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            # vLLM's range. A generator takes seeds in [-2**63, 2**64), so the sample index added to it still fits.
+            raise bad("seed", "must be a 64-bit signed integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

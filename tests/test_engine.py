@@ -100,6 +100,10 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(llm):
         llm.generate([[1] * (llm.engine.config.max_model_len + 5)], use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[10**9]], use_tqdm=False)
+    # More logprobs than vLLM's max_logprobs (20) is refused up front, not inside a step (where a top-k past
+    # the vocabulary would fail).
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate(["Hello"], SamplingParams(logprobs=100000), use_tqdm=False)
     with pytest.raises(ValueError, match="unknown engine option"):
         LLM(MODEL, no_such_option=1)
     with pytest.raises(ValueError, match="cudagraph_mode"):
@@ -134,9 +138,14 @@ def test_sampling_options_end_to_end(llm):
     params = SamplingParams(logprobs=3, max_tokens=4, temperature=0.0, ignore_eos=True)
     lp = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
     assert len(lp.logprobs) == 4
+    tokenizer = llm.get_tokenizer()
     for tok, entry in zip(lp.token_ids, lp.logprobs):
-        assert tok in entry and len(entry) >= 3 and all(v <= 0 for v in entry.values())
-        assert entry[tok] == max(entry.values())  # greedy picks the most likely token
+        assert tok in entry and len(entry) >= 3 and all(v.logprob <= 0 for v in entry.values())
+        # vLLM's Logprob: greedy picks the most likely token, rank 1; every entry carries its token's text
+        assert entry[tok].rank == 1 and entry[tok].logprob == max(v.logprob for v in entry.values())
+        assert sorted(v.rank for v in entry.values()) == [1, 2, 3]
+        assert all(v.decoded_token == tokenizer.decode([t]) for t, v in entry.items())
+    assert lp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(lp.token_ids, lp.logprobs)))
 
 
 def test_stop_strings_and_stop_token_ids(llm):
@@ -152,6 +161,59 @@ def test_stop_strings_and_stop_token_ids(llm):
                                                               stop_token_ids=[first]), use_tqdm=False)[0]
     assert by_id.outputs[0].token_ids == base[0].outputs[0].token_ids[:3]
     assert by_id.outputs[0].stop_reason == first
+
+
+def test_stop_tokens_stop_strings_and_min_tokens_as_vllm(llm):
+    prompt = "1, 2, 3, 4, 5,"
+
+    def run(**kw):
+        return llm.generate([prompt], SamplingParams(temperature=0.0, **kw), use_tqdm=False)[0].outputs[0]
+
+    base = run(max_tokens=12)
+    # A stop token id ends the sample without its text, unless include_stop_str_in_output.
+    stop_id = base.token_ids[2]
+    by_id = run(max_tokens=12, stop_token_ids=[stop_id])
+    assert by_id.token_ids == base.token_ids[:3] and by_id.text == run(max_tokens=2).text
+    assert run(max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=True).text == run(max_tokens=3).text
+    # A stop string completed by the last token max_tokens allows still finishes as "stop".
+    k = next(k for k in range(1, 12) if " 7" in run(max_tokens=k).text)
+    at_limit = run(max_tokens=k, stop=[" 7"])
+    assert (at_limit.finish_reason, at_limit.stop_reason) == ("stop", " 7")
+    assert at_limit.text == base.text[:base.text.index(" 7")]
+    # Stop strings count only after min_tokens tokens.
+    first_comma = base.text.index(",")
+    assert run(max_tokens=12, stop=[","]).text == base.text[:first_comma]
+    late = run(max_tokens=12, stop=[","], min_tokens=len(run(max_tokens=12, stop=[","]).token_ids) + 1)
+    assert late.text == base.text[:base.text.index(",", first_comma + 1)] and late.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("where", ["execute", "read back"])
+def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(llm, monkeypatch, where):
+    """A step that raises (out of memory, a kernel error, Ctrl-C while tokens are read back) loses its
+    requests' tokens: they are aborted, their blocks return to the pool, the prefix cache forgets blocks whose
+    K/V may never have been written, and later calls give the outputs they give on a fresh engine."""
+    engine = llm.engine
+    prompts = [long_text(300), "Tell me about the sea."]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    engine.kv_cache_manager.reset_prefix_cache()
+    target = (engine.runner, "execute") if where == "execute" else (engine.scheduler, "update_from_output")
+    original, calls = getattr(*target), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated failure") if where == "execute" else KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(*target, failing)
+    with pytest.raises(RuntimeError if where == "execute" else KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    assert not engine.kv_cache_manager.block_pool.cached_blocks
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
 
 
 def test_chat_answers_sensibly(llm):
@@ -236,7 +298,7 @@ def test_async_scheduling_equals_synchronous(llm):
                     (b.token_ids, b.text, b.finish_reason, b.stop_reason)
                 assert (a.logprobs is None) == (b.logprobs is None)
                 for x, y in zip(a.logprobs or [], b.logprobs or []):
-                    assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
+                    assert x.keys() == y.keys() and all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
         if batch[0] is cases[0]:
             assert got[0].outputs[0].stop_reason == " 7"
     assert llm.engine.kv_cache_manager.usage == 0.0 and llm.engine.stats()["num_requests_running"] == 0

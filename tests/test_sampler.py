@@ -24,7 +24,7 @@ def sample(requests, logits, seed=0):
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0), ("top_k", -2),
     ("top_k", 0), ("min_p", 1.5), ("logprobs", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
-    ("frequency_penalty", -2.5), ("min_tokens", -1), ("seed", -1), ("seed", 2**64), ("stop", [""]),
+    ("frequency_penalty", -2.5), ("min_tokens", -1), ("seed", -2**63 - 1), ("seed", 2**63), ("stop", [""]),
     ("stop_token_ids", [-1]),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
@@ -97,6 +97,15 @@ def test_samples_of_one_request_differ():
     assert seq_a != seq_b
 
 
+@pytest.mark.parametrize("seed", [-1, -2**63, 2**63 - 1])
+def test_any_64_bit_seed_samples_reproducibly(seed):
+    """vLLM takes any int64 seed (OpenAI clients send -1 too); each sample of a request adds its index."""
+    logits = torch.zeros(1, VOCAB)
+    runs = [[sample([make_request(index=i, temperature=1.0, seed=seed)], logits.clone()).token_ids[0]
+             for i in range(3)] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
 def test_repetition_penalty_discourages_seen_tokens():
     logits = torch.zeros(1, VOCAB)
     logits[0, 1], logits[0, 20] = 2.0, 1.5  # token 1 is in the prompt
@@ -138,7 +147,8 @@ def test_logprobs_are_raw_log_softmax_with_top_k():
     top = torch.topk(ref, 3).indices.tolist()
     assert set(lp) == set(top) | {out.token_ids[0]}
     for tok, val in lp.items():
-        assert val == pytest.approx(float(ref[tok]), abs=1e-5)
+        assert val.logprob == pytest.approx(float(ref[tok]), abs=1e-5)
+    assert [lp[t].rank for t in top] == [1, 2, 3]
     assert out.logprobs[1] is None
 
 
@@ -263,7 +273,9 @@ def test_logprobs_in_a_mixed_batch():
         assert list(lp)[0] == out.token_ids[i]
         assert set(lp) == set(torch.topk(ref, n).indices.tolist()) | {out.token_ids[i]}
         for tok, val in lp.items():
-            assert val == pytest.approx(float(ref[tok]), abs=1e-5)
+            assert val.logprob == pytest.approx(float(ref[tok]), abs=1e-5)
+            # the rank among the whole vocabulary, for the sampled token too (vLLM's)
+            assert val.rank == 1 + int((ref > ref[tok]).sum())
 
 
 def test_reused_host_buffers_keep_every_output():
@@ -280,4 +292,5 @@ def test_reused_host_buffers_keep_every_output():
         assert out.token_ids == logits.argmax(-1).tolist()
         expected = torch.log_softmax(logits[1], -1)
         assert out.logprobs[0] is None
-        assert out.logprobs[1] == pytest.approx({t: expected[t].item() for t in expected.topk(2).indices.tolist()})
+        got = {t: e.logprob for t, e in out.logprobs[1].items()}
+        assert got == pytest.approx({t: expected[t].item() for t in expected.topk(2).indices.tolist()})

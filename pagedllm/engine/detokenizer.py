@@ -12,11 +12,15 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 stop: list[str], include_stop_str_in_output: bool) -> None:
+                 stop: list[str], include_stop_str_in_output: bool, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop_str_in_output
+        # As in vLLM, stop strings count only from the token after min_tokens on (text before stays searchable
+        # only as the overlap of the next token's text).
+        self.min_tokens = min_tokens
+        self.num_generated = 0
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -28,6 +32,7 @@ class IncrementalDetokenizer:
     def update(self, token_id: int) -> str | None:
         """Adds a token; returns the stop string if the text now contains one (text is cut there)."""
         self.ids.append(token_id)
+        self.num_generated += 1
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -36,6 +41,8 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += delta
+        if self.num_generated <= self.min_tokens:
+            return None
         hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, start)) != -1]
         if not hits:
             return None

@@ -56,6 +56,7 @@ class LLMEngine:
         config.resolve_lengths(self.hf_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(config.tokenizer or self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.hf_config, self.tokenizer)
+        self._token_texts: dict[int, str] = {}
         self.runner = ModelRunner(config, self.model, self.hf_config, self.dtype)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
@@ -85,6 +86,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"requested {params.logprobs} logprobs per token, more than max_logprobs="
+                             f"{self.config.max_logprobs}")
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
@@ -111,6 +115,15 @@ class LLMEngine:
         for child in children:
             self.child_to_parent[child.request_id] = parent
 
+    def token_text(self, token_id: int) -> str | None:
+        """One token's text on its own (a logprob entry's decoded_token), or None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -125,7 +138,7 @@ class LLMEngine:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
-                                      params.include_stop_str_in_output)
+                                      params.include_stop_str_in_output, params.min_tokens)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Aborts user requests (all their samples) and frees their blocks at once."""
@@ -150,17 +163,32 @@ class LLMEngine:
         the device computes. A request that stops at step N has also been scheduled into step N+1; that
         token is dropped.
         """
-        sched = self.scheduler.schedule()
-        sampling, out = self.runner.execute(sched, self.kv_cache_manager.get_blocks)
-        previous, current = self._in_flight, _Step(sched, sampling, out)
-        self._in_flight = current if self._overlaps(sampling) else None
-        outputs = self._process(previous, final_only) if previous is not None else []
-        if self._in_flight is None:
-            outputs += self._process(current, final_only)
+        previous, self._in_flight, sched = self._in_flight, None, None
+        try:
+            sched = self.scheduler.schedule()
+            sampling, out = self.runner.execute(sched, self.kv_cache_manager.get_blocks)
+            current = _Step(sched, sampling, out)
+            overlaps = self._overlaps(sampling)
+            outputs = self._process(previous, final_only) if previous is not None else []
+            if overlaps:
+                self._in_flight = current
+            else:
+                outputs += self._process(current, final_only)
+        except BaseException:
+            self._drop_failed_step([s for s in (previous and previous.sched, sched) if s is not None])
+            raise
         # One output per request per call, as callers expect: when two steps are read back in one call (an
         # overlapped step, then one that had to wait), the later output replaces the earlier (outputs are
         # cumulative).
         return list({o.request_id: o for o in outputs}.values())
+
+    def _drop_failed_step(self, scheds: list[SchedulerOutput]) -> None:
+        """After a step raised (a bad input, out of memory, Ctrl-C): its requests are aborted, as their tokens and
+        the scheduler's view of them are lost, and the engine stays usable for the others. Blocks it registered in
+        the prefix cache may never have received their K/V, so the cache forgets every block."""
+        children = {it.request.request_id for s in scheds for it in s.scheduled}
+        self.abort_request(list({self.child_to_parent[c].request_id for c in children if c in self.child_to_parent}))
+        self.kv_cache_manager.reset_prefix_cache()
 
     def _overlaps(self, sampling: list[Request]) -> bool:
         # Penalties read every token of the request, so the next step must wait for this one's.
@@ -178,16 +206,25 @@ class LLMEngine:
         for req in advanced:
             lp = logprobs[req.request_id]
             if lp is not None:
+                for tok, entry in lp.items():
+                    entry.decoded_token = self.token_text(tok)
                 req.logprobs.append(lp)
-                req.cumulative_logprob += lp[req.output_token_ids[-1]]
+                req.cumulative_logprob += lp[req.output_token_ids[-1]].logprob
             parent = self.child_to_parent[req.request_id]
             touched[parent.request_id] = parent
             detok = parent.detokenizers[req.index]
-            if detok is not None:
+            # The token that ended the sample (EOS or a stop token id) is not part of its text unless asked for,
+            # as in vLLM.
+            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
+            if detok is not None and not (stopped_by_token and not req.sampling_params.include_stop_str_in_output):
                 stop = detok.update(req.output_token_ids[-1])
-                if stop is not None and not req.is_finished:
+                if stop is not None and not stopped_by_token:
+                    # A stop string in the last token max_tokens allowed still ends the sample as "stop".
                     req.stop_reason = stop
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                    if req.is_finished:
+                        req.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         outputs = []
         for parent in touched.values():
             finished = parent.finished

@@ -5,6 +5,7 @@ import enum
 import itertools
 from typing import Any
 
+from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -73,8 +74,8 @@ class Request:
         # Hashes of the full blocks of all_token_ids, maintained by the KV cache manager.
         self.block_hashes: list[Any] = []
         self.stop_reason: int | str | None = None
-        # Per-token logprobs: list of {token_id: logprob} (only when sampling_params.logprobs is set).
-        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # Per-token logprobs: list of {token_id: Logprob} (only when sampling_params.logprobs is set).
+        self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
         # Sum of the sampled tokens' logprobs (meaningful only with logprobs).
         self.cumulative_logprob = 0.0
         # Sampling state owned by the sampler (seeded generator, token ids for penalties).

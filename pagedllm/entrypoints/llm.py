@@ -57,21 +57,22 @@ class LLM:
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = []
+        results: dict[str, RequestOutput] = {}
         try:
             for (text, prompt), p in zip(inputs, params):
                 rid = str(next(self._ids))
                 engine.add_request(rid, prompt, p, prompt_text=text)
                 ids.append(rid)
-        except ValueError:
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    # Building a partial output per request per step costs host time nobody reads here.
+                    for out in engine.step(final_only=True):
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            # A bad prompt, a failed step or Ctrl-C: none of this call's requests stays in the engine.
             engine.abort_request(ids)
             raise
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                # Building a partial output per request per step costs host time nobody reads here.
-                for out in engine.step(final_only=True):
-                    results[out.request_id] = out
-                    bar.update(1)
         return [results[rid] for rid in ids]
 
 

@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.engine.request import Request
 from pagedllm.layers.norm import fused_kernels
+from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views
 
@@ -48,22 +49,23 @@ class SamplerOutput:
         return self._read()[0]
 
     @property
-    def logprobs(self) -> list[dict[int, float] | None]:
-        """Per row: {token_id: logprob} of the sampled token and the top-k tokens, or None if not requested."""
+    def logprobs(self) -> list[dict[int, Logprob] | None]:
+        """Per row: {token_id: Logprob} of the sampled token and the top-k tokens (ranked, without their text),
+        or None if not requested."""
         return self._read()[1]
 
-    def _read(self) -> tuple[list[int], list[dict[int, float] | None]]:
+    def _read(self) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         if self._lists is None:
             if self._ready is not None:
                 self._ready.synchronize()
             token_list, *logprob_lists = [t.tolist() for t in self._host]
-            logprobs: list[dict[int, float] | None] = [None] * len(token_list)
+            logprobs: list[dict[int, Logprob] | None] = [None] * len(token_list)
             if logprob_lists:
-                sampled, top_values, top_ids = logprob_lists
+                sampled, sampled_ranks, top_values, top_ids = logprob_lists
                 for j, (i, n) in enumerate(zip(self._logprob_rows, self._num_top)):
-                    entry = {token_list[i]: sampled[j]}
-                    for tok, lp in zip(top_ids[j][:n], top_values[j][:n]):
-                        entry.setdefault(tok, lp)
+                    entry = {token_list[i]: Logprob(sampled[j], sampled_ranks[j])}
+                    for rank, (tok, lp) in enumerate(zip(top_ids[j][:n], top_values[j][:n]), 1):
+                        entry.setdefault(tok, Logprob(lp, rank))
                     logprobs[i] = entry
             self._lists = token_list, logprobs
         return self._lists
@@ -187,9 +189,11 @@ class Sampler:
         # Logprobs of the sampled token and of each row's top-n tokens, read back with the tokens.
         num_top = [params[i].logprobs for i in logprob_rows]
         sampled_logprobs = raw_logprobs.gather(1, tokens[logprob_idx].unsqueeze(1)).squeeze(1)
+        # vLLM's rank: 1 + the tokens strictly more likely (ties share the better rank)
+        sampled_ranks = (raw_logprobs > sampled_logprobs[:, None]).sum(-1) + 1
         top = raw_logprobs.topk(max(num_top), dim=-1)
         return SamplerOutput(self.host_buffers, tokens, logprob_rows, num_top,
-                             (sampled_logprobs, top.values, top.indices))
+                             (sampled_logprobs, sampled_ranks, top.values, top.indices))
 
     def _sample(self, logits: torch.Tensor, table: torch.Tensor, requests: list[Request], filtered: _Rows,
                 filtered_top_k: list[int]) -> torch.Tensor:

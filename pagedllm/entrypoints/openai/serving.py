@@ -20,7 +20,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, TopLogprob, UsageInfo, random_id)
-from pagedllm.outputs import CompletionOutput
+from pagedllm.outputs import CompletionOutput, Logprob
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.server")
@@ -44,7 +44,7 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -90,6 +90,8 @@ class _Generation:
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
     start: float = field(default_factory=time.perf_counter)
+    # Every chunk of a stream and the final response carry this one timestamp, as OpenAI's do.
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.stream = self.engine.open_stream()
@@ -165,7 +167,6 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
-        self._token_texts: dict[int, str] = {}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -192,7 +193,8 @@ class OpenAIServing:
                                     stop_reason=d.stop_reason, logprobs=self._completion_logprobs(d, gen, offsets))
 
         def response(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
-            return CompletionResponse(id=gen.request_id, model=self.model_name, choices=choices, usage=usage)
+            return CompletionResponse(id=gen.request_id, created=gen.created, model=self.model_name,
+                                      choices=choices, usage=usage)
 
         if req.stream:
             return self._sse(gen, [], lambda d: response([choice(d)]),
@@ -223,7 +225,8 @@ class OpenAIServing:
         gen = await self._start("chatcmpl", [prompt], req, req.max_new_tokens, req.num_logprobs)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=gen.request_id, model=self.model_name, choices=choices, usage=usage)
+            return ChatCompletionChunk(id=gen.request_id, created=gen.created, model=self.model_name,
+                                       choices=choices, usage=usage)
 
         if req.stream:
             head = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
@@ -241,8 +244,8 @@ class OpenAIServing:
             if logprobs is not None:
                 total.logprobs = total.logprobs or ChatLogprobs(content=[])
                 total.logprobs.content += logprobs.content
-        return ChatCompletionResponse(id=gen.request_id, model=self.model_name, choices=choices,
-                                      usage=gen.usage())
+        return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=self.model_name,
+                                      choices=choices, usage=gen.usage())
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
         """On the engine thread: the chat template's text and its token ids."""
@@ -281,27 +284,25 @@ class OpenAIServing:
             yield sse(e.body())
         yield "data: [DONE]\n\n"
 
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id]) if self.tokenizer else f"token_id:{token_id}"
-            self._token_texts[token_id] = text
-        return text
+    @staticmethod
+    def _text(token_id: int, lp: Logprob) -> str:
+        # The engine decodes each logprob's token; a model without a tokenizer has only the id.
+        return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
 
     @staticmethod
-    def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-        # The entry holds the sampled token plus the top k; sorting puts a sampled token outside them last.
-        return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+    def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+        # The entry holds the sampled token plus the top k; by rank, a sampled token outside them comes last.
+        return sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
 
     def _completion_logprobs(self, d: Delta, gen: _Generation, offsets: list[int]) -> CompletionLogprobs | None:
         if d.logprobs is None:
             return None
         out = CompletionLogprobs()
         for tid, entry in zip(d.token_ids, d.logprobs):
-            text = self._token_text(tid)
+            text = self._text(tid, entry[tid])
             out.tokens.append(text)
-            out.token_logprobs.append(entry[tid])
-            out.top_logprobs.append({self._token_text(t): lp for t, lp in self._top(entry, gen.params.logprobs)})
+            out.token_logprobs.append(entry[tid].logprob)
+            out.top_logprobs.append({self._text(t, lp): lp.logprob for t, lp in self._top(entry, gen.params.logprobs)})
             out.text_offset.append(offsets[d.index])
             offsets[d.index] += len(text)
         return out
@@ -310,9 +311,9 @@ class OpenAIServing:
         if d.logprobs is None:
             return None
 
-        def top(t: int, lp: float) -> TopLogprob:
-            text = self._token_text(t)
-            return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+        def top(t: int, lp: Logprob) -> TopLogprob:
+            text = self._text(t, lp)
+            return TopLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()))
 
         return ChatLogprobs(content=[
             ChatTokenLogprob(**top(tid, entry[tid]).model_dump(),
