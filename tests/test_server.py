@@ -16,6 +16,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from conftest import MODEL
 from pagedllm import SamplingParams
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
@@ -208,6 +209,96 @@ def test_echo_and_extras(client):
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
 
 
+def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, client):
+    """Bodies written for vLLM: its extra fields, fields this server does not implement, and JSON null for unset
+    fields (as many non-Python clients send them) all get answers rather than 400s."""
+    nulls = dict.fromkeys(["n", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
+                           "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
+                           "ignore_eos", "min_tokens", "stop_token_ids", "best_of", "skip_special_tokens",
+                           "include_stop_str_in_output"])
+    unknown = {"logit_bias": {"50": -100}, "suffix": None, "response_format": {"type": "text"}, "frobnicate": 1}
+    status, out = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3.0, "temperature": 2.5,
+                                                   "ignore_eos": True, "best_of": 1, "seed": -1, **unknown})
+    assert status == 200 and out["usage"]["completion_tokens"] == 3, out
+    status, out = post(server, "/v1/completions", {"prompt": "hi", **nulls, "max_tokens": None, "logprobs": None,
+                                                   "echo": None})
+    assert status == 200 and out["usage"]["completion_tokens"] == 16, out
+    chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert chunks[-1].usage.completion_tokens == 2
+
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "1", "name": "weather"},
+               {"role": "user", "content": "Thanks."}]
+    status, out = post(server, "/v1/chat/completions", {
+        "messages": history, **nulls, "max_tokens": 2, "max_completion_tokens": None, "logprobs": None,
+        "top_logprobs": None, "tools": [], "parallel_tool_calls": False, "store": False})
+    assert status == 200 and out["usage"]["completion_tokens"] <= 2, out
+
+
+def test_unknown_fields_are_named_in_one_warning(caplog):
+    with caplog.at_level("WARNING", logger="pagedllm.server"):
+        req = CompletionRequest.model_validate({"prompt": "hi", "logit_bias": {}, "suffix": "x", "n": None})
+    assert req.n == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "CompletionRequest: ignoring unsupported fields logit_bias, suffix"]
+
+
+def test_best_of_other_than_n_names_best_of(server):
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 2})[0] == 200
+    status, error = post(server, "/v1/chat/completions", {"messages": CHAT, "n": 1, "best_of": 3})
+    assert status == 400 and error["error"]["param"] == "best_of" and "best_of" in error["error"]["message"]
+
+
+def test_special_tokens_and_stop_strings_in_output(client):
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, temperature=0)
+    assert answer.choices[0].finish_reason == "stop"
+
+    def past_eos(**extras) -> str:
+        # Past its end-of-turn token the model writes more special tokens, which only show when not skipped.
+        out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=answer.usage.completion_tokens + 3,
+                                             temperature=0, extra_body={"ignore_eos": True, **extras})
+        return out.choices[0].message.content
+
+    assert "<|im_end|>" in past_eos(skip_special_tokens=False) and "<|im_end|>" not in past_eos()
+
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text
+    stop = base.split()[1]
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=stop,
+                                        stream=stream, extra_body={"include_stop_str_in_output": True})
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert text == base[:base.index(stop) + len(stop)]
+
+
+def test_chat_text_parts_are_joined_with_newlines(server):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    by_parts = post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    joined = post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hello\nworld"}]})
+    assert by_parts == joined and by_parts[0] == 200
+
+
+def test_stream_chunks_share_one_created_time(tiny_server):
+    """Chunks made more than a second apart still carry the request's one creation time, as does the answer."""
+    tiny = OpenAI(base_url=tiny_server + "/v1", api_key="unused", max_retries=0)
+    long = {"model": "tiny", "max_tokens": 3000, "stream": True, "extra_body": {"ignore_eos": True}}
+    for open_stream in (lambda: tiny.completions.create(prompt=[5, 6, 7], **long),
+                        lambda: tiny.chat.completions.create(messages=CHAT, **long)):
+        start, created = time.time(), set()
+        stream = open_stream()
+        for chunk in stream:
+            created.add(chunk.created)
+            if time.time() - start > 1.5:
+                break
+        stream.close()
+        assert time.time() - start > 1.5, "the stream ended too early to span a second"
+        assert len(created) == 1 and abs(created.pop() - start) < 2
+    before = time.time()
+    out = tiny.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4)
+    assert int(before) <= out.created <= time.time()
+
+
 # ---- the other endpoints ----------------------------------------------------------------------------------
 def test_models_health_tokenize_detokenize(server, client, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -226,9 +317,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400),  # wrong type
     ("/v1/completions", {"prompt": 5}, 400),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400),
-    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400),  # unknown field
     ("/v1/completions", {"max_tokens": 4}, 400),  # no prompt
-    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400),  # out of range
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400),  # out of range
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3.5}, 400),  # not integral
+    ("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 2}, 400),  # best_of > n is not implemented
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),

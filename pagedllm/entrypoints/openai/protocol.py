@@ -1,17 +1,22 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests are strict and closed: a wrong JSON type or an unknown field is a 400, as OpenAI answers, rather than
-being coerced or silently ignored. Fields beyond OpenAI's are vLLM's sampling extras.
+Requests are strict about types: a wrong JSON type is a 400 rather than being coerced (an integral float such as
+3.0 still counts as an int). As in vLLM, unknown fields are ignored with a warning, so requests written for vLLM
+or OpenAI keep working, and JSON null means "use the default", as many non-Python clients send it for unset
+fields. Fields beyond OpenAI's are vLLM's sampling extras.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
 
 # vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
@@ -21,8 +26,28 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _integral_float_to_int(value: Any) -> Any:
+    # Clients in languages without an integer type send 3.0 for 3; 3.5 stays a float and fails strict int checks.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    """Base of the request bodies."""
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_and_unknown_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        unknown = data.keys() - cls.model_fields.keys()
+        if unknown:
+            logger.warning("%s: ignoring unsupported fields %s", cls.__name__, ", ".join(sorted(unknown)))
+        return data
 
 
 class StreamOptions(Strict):
@@ -32,24 +57,36 @@ class StreamOptions(Strict):
 class _SamplingRequest(Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    n: Int = Field(1, ge=1, le=128)
+    best_of: Int | None = None
+    temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    # int64 as OpenAI has it; the sampler seeds a torch generator with seed + sample index.
-    seed: int | None = Field(None, ge=-2**63, lt=2**63)
+    # SamplingParams checks the range.
+    seed: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM's extras (top_k 0 also means disabled there).
-    top_k: int = Field(-1, ge=-1)
+    top_k: Int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        # Drawing best_of samples and keeping the n most likely is not implemented; best_of == n is plain sampling.
+        n = info.data.get("n")
+        if best_of is not None and n is not None and best_of != n:
+            raise ValueError(f"best_of must be equal to n ({n}): best_of > n is not supported")
+        return best_of
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -68,15 +105,16 @@ class _SamplingRequest(Strict):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty)
+            repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------------
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: Int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_prompt(self):
@@ -119,7 +157,7 @@ class UsageInfo(BaseModel):
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
@@ -132,21 +170,27 @@ class TextContentPart(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Assistant turns that only called tools come back with null content.
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+        # Text parts are joined with newlines, as vLLM joins them.
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
+        message = {"role": self.role, "content": content}
+        # Templates that render tool results or speaker names read these keys.
+        message.update((k, v) for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None)
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -194,7 +238,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
@@ -216,7 +260,7 @@ class ChatStreamChoice(BaseModel):
 class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
