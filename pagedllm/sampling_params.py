@@ -23,6 +23,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # {token id: value added to its logit before sampling} (OpenAI's and vLLM's logit_bias, values in [-100, 100])
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine from the model's generation config; not a user knob.
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
@@ -68,6 +70,10 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None and any(
+                not isinstance(t, int) or t < 0 or not isinstance(b, (int, float)) or not -100 <= b <= 100
+                for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", "must map non-negative token ids to values in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

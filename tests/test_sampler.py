@@ -25,7 +25,7 @@ def sample(requests, logits, seed=0):
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0), ("top_k", -2),
     ("top_k", 0), ("min_p", 1.5), ("logprobs", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("min_tokens", -1), ("seed", -2**63 - 1), ("seed", 2**63), ("stop", [""]),
-    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [-1]), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 150.0}),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -104,6 +104,20 @@ def test_any_64_bit_seed_samples_reproducibly(seed):
     runs = [[sample([make_request(index=i, temperature=1.0, seed=seed)], logits.clone()).token_ids[0]
              for i in range(3)] for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_logit_bias_is_added_before_sampling_not_to_logprobs():
+    torch.manual_seed(5)
+    logits = torch.randn(3, VOCAB)
+    target = int(logits[0].argmin())
+    reqs = [make_request("a", temperature=0.0, logprobs=1, logit_bias={target: 100.0}),
+            make_request("b", temperature=1.0, seed=3, logit_bias={int(logits[1].argmax()): -100.0}),
+            make_request("c", temperature=0.0)]
+    out = sample(reqs, logits.clone())
+    assert out.token_ids[0] == target and out.token_ids[2] == int(logits[2].argmax())
+    assert out.token_ids[1] != int(logits[1].argmax())
+    # logprobs are the model's own, as vLLM returns them by default
+    assert out.logprobs[0][target].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[target]), abs=1e-5)
 
 
 def test_repetition_penalty_discourages_seen_tokens():

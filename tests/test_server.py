@@ -209,6 +209,21 @@ def test_echo_and_extras(client):
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
 
 
+def test_logit_bias_steers_sampling(server, client):
+    """OpenAI's logit_bias: +100 on one token makes it every greedy pick; -100 keeps the greedy token out."""
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                      logprobs=0).choices[0]
+    forced_token = 42
+    forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=0,
+                                       logit_bias={str(forced_token): 100}).choices[0]
+    assert forced.logprobs.tokens == [forced.logprobs.tokens[0]] * 3 != plain.logprobs.tokens
+    _, tokenized = post(server, "/tokenize", {"prompt": plain.logprobs.tokens[0], "add_special_tokens": False})
+    (first,) = tokenized["tokens"]
+    banned = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={"0": 0, str(first): -100})
+    assert banned.choices[0].logprobs.tokens[0] != plain.logprobs.tokens[0]
+
+
 def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, client):
     """Bodies written for vLLM: its extra fields, fields this server does not implement, and JSON null for unset
     fields (as many non-Python clients send them) all get answers rather than 400s."""
@@ -322,6 +337,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3.5}, 400),  # not integral
     ("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 2}, 400),  # best_of > n is not implemented
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400),  # not a token id
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400),  # out of [-100, 100]
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(10**9): 1}}, 400),  # outside the vocabulary
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400),

@@ -89,6 +89,9 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"requested {params.logprobs} logprobs per token, more than max_logprobs="
                              f"{self.config.max_logprobs}")
+        vocab = self.hf_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)

@@ -145,11 +145,12 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        biased = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
         # The token sampled now is output number num_output_tokens + num_placeholders (counting from 1): the
         # placeholders include it and any earlier token still on its way.
         min_tokens_rows = [i for i, r in enumerate(requests)
                            if r.num_output_tokens + r.num_placeholders <= r.sampling_params.min_tokens]
-        if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows):
+        if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows or biased):
             # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
             return SamplerOutput(self.host_buffers, greedy_tokens(logits))
 
@@ -163,10 +164,10 @@ class Sampler:
         # min_tokens bans EOS and stop tokens; ids outside the vocabulary could never be sampled anyway.
         banned = [(i, t) for i in min_tokens_rows
                   for t in (*requests[i].eos_token_ids, *params[i].stop_token_ids) if t < vocab]
-        (random_idx, filtered_idx, penalty_idx, logprob_idx, ban_rows, ban_tokens, penalty_tokens,
-         penalty_num_tokens, penalty_num_prompt) = self._upload_ints(
+        (random_idx, filtered_idx, penalty_idx, logprob_idx, ban_rows, ban_tokens, bias_rows, bias_tokens,
+         penalty_tokens, penalty_num_tokens, penalty_num_prompt) = self._upload_ints(
             random_rows, filtered_rows, penalty_rows, logprob_rows, [i for i, _ in banned], [t for _, t in banned],
-            np.concatenate(penalised_tokens) if penalised else [],
+            [i for i, _, _ in biased], [t for _, t, _ in biased], np.concatenate(penalised_tokens) if penalised else [],
             [r.num_tokens for r in penalised], [r.num_prompt_tokens for r in penalised])
 
         raw_logprobs = torch.log_softmax(logits[logprob_idx], dim=-1) if logprob_rows else None
@@ -174,6 +175,10 @@ class Sampler:
             rows = _Rows(penalty_idx, len(penalty_rows) == batch)
             logits = rows.put(logits, _apply_penalties(rows.take(logits), rows.take(table), penalty_tokens,
                                                        penalty_num_tokens, penalty_num_prompt))
+        if biased:
+            # after the logprobs, which are the model's own (vLLM's default), before the bans and sampling
+            biases = self._to_device(torch.tensor([b for _, _, b in biased], dtype=torch.float32))
+            logits.index_put_((bias_rows, bias_tokens), biases, accumulate=True)
         if banned:
             logits[ban_rows, ban_tokens] = float("-inf")
 

@@ -78,6 +78,8 @@ class _SamplingRequest(Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's: token ids as JSON object keys (strings)
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("best_of")
     @classmethod
@@ -106,7 +108,15 @@ class _SamplingRequest(Strict):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)!r}") from None
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------------
