@@ -187,8 +187,8 @@ def test_stop_tokens_stop_strings_and_min_tokens_as_vllm(llm):
     assert late.text == base.text[:base.text.index(",", first_comma + 1)] and late.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("where", ["execute", "read back"])
-def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(llm, monkeypatch, where):
+@pytest.mark.parametrize("where,failing_call", [("execute", 3), ("read back", 3), ("schedule", 4)])
+def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(llm, monkeypatch, where, failing_call):
     """A step that raises (out of memory, a kernel error, Ctrl-C while tokens are read back) loses its
     requests' tokens: they are aborted, their blocks return to the pool, the prefix cache forgets blocks whose
     K/V may never have been written, and later calls give the outputs they give on a fresh engine."""
@@ -197,18 +197,27 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(llm, mon
     params = SamplingParams(temperature=0.0, max_tokens=6)
     expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
     engine.kv_cache_manager.reset_prefix_cache()
-    target = (engine.runner, "execute") if where == "execute" else (engine.scheduler, "update_from_output")
+    # schedule: its second allocation of a decode step, after the first request's was made
+    target = {"execute": (engine.runner, "execute"), "read back": (engine.scheduler, "update_from_output"),
+              "schedule": (engine.kv_cache_manager, "allocate_slots")}[where]
+    error = RuntimeError if where == "execute" else KeyboardInterrupt
     original, calls = getattr(*target), []
 
     def failing(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("simulated failure") if where == "execute" else KeyboardInterrupt
+        if len(calls) == failing_call:
+            raise error("simulated failure")
         return original(*args, **kwargs)
 
     monkeypatch.setattr(*target, failing)
-    with pytest.raises(RuntimeError if where == "execute" else KeyboardInterrupt):
-        llm.generate(prompts, params, use_tqdm=False)
+    if where == "schedule":  # no step in flight, whose requests would be aborted anyway
+        monkeypatch.setattr(engine.config, "async_scheduling", False)
+    with pytest.raises(error):
+        # engine.step directly: LLM.generate would abort whatever the engine left behind
+        engine.add_request("a", prompts[0], params)
+        engine.add_request("b", prompts[1], params)
+        while engine.has_unfinished_requests():
+            engine.step()
     monkeypatch.undo()
     assert not engine.has_unfinished_requests() and not engine.scheduler.requests
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks

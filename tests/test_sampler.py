@@ -101,8 +101,9 @@ def test_samples_of_one_request_differ():
 def test_any_64_bit_seed_samples_reproducibly(seed):
     """vLLM takes any int64 seed (OpenAI clients send -1 too); each sample of a request adds its index."""
     logits = torch.zeros(1, VOCAB)
-    runs = [[sample([make_request(index=i, temperature=1.0, seed=seed)], logits.clone()).token_ids[0]
-             for i in range(3)] for _ in range(2)]
+    # different engine seeds: the request's seed alone decides
+    runs = [[sample([make_request(index=i, temperature=1.0, seed=seed)], logits.clone(), engine_seed).token_ids[0]
+             for i in range(3)] for engine_seed in (0, 1)]
     assert runs[0] == runs[1]
 
 
@@ -289,7 +290,15 @@ def test_logprobs_in_a_mixed_batch():
         for tok, val in lp.items():
             assert val.logprob == pytest.approx(float(ref[tok]), abs=1e-5)
             # the rank among the whole vocabulary, for the sampled token too (vLLM's)
-            assert val.rank == 1 + int((ref > ref[tok]).sum())
+            if tok == out.token_ids[i]:
+                assert val.rank == int((ref >= ref[tok]).sum())
+
+
+def test_tied_logprobs_share_the_worse_rank_as_in_vllm():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = logits[0, 7] = 5.0
+    out = sample([make_request(temperature=0.0, logprobs=2)], logits)
+    assert out.token_ids[0] in (3, 7) and out.logprobs[0][out.token_ids[0]].rank == 2
 
 
 def test_reused_host_buffers_keep_every_output():

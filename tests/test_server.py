@@ -216,7 +216,8 @@ def test_logit_bias_steers_sampling(server, client):
     forced_token = 42
     forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=0,
                                        logit_bias={str(forced_token): 100}).choices[0]
-    assert forced.logprobs.tokens == [forced.logprobs.tokens[0]] * 3 != plain.logprobs.tokens
+    _, text = post(server, "/detokenize", {"tokens": [forced_token]})
+    assert forced.logprobs.tokens == [text["prompt"]] * 3 != plain.logprobs.tokens
     _, tokenized = post(server, "/tokenize", {"prompt": plain.logprobs.tokens[0], "add_special_tokens": False})
     (first,) = tokenized["tokens"]
     banned = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0, logprobs=0,
@@ -231,7 +232,7 @@ def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, clien
                            "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
                            "ignore_eos", "min_tokens", "stop_token_ids", "best_of", "skip_special_tokens",
                            "include_stop_str_in_output"])
-    unknown = {"logit_bias": {"50": -100}, "suffix": None, "response_format": {"type": "text"}, "frobnicate": 1}
+    unknown = {"suffix": None, "response_format": {"type": "text"}, "frobnicate": 1}
     status, out = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3.0, "temperature": 2.5,
                                                    "ignore_eos": True, "best_of": 1, "seed": -1, **unknown})
     assert status == 200 and out["usage"]["completion_tokens"] == 3, out
@@ -254,10 +255,10 @@ def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, clien
 
 def test_unknown_fields_are_named_in_one_warning(caplog):
     with caplog.at_level("WARNING", logger="pagedllm.server"):
-        req = CompletionRequest.model_validate({"prompt": "hi", "logit_bias": {}, "suffix": "x", "n": None})
+        req = CompletionRequest.model_validate({"prompt": "hi", "suffix": "x", "response_format": {}, "n": None})
     assert req.n == 1
     assert [r.getMessage() for r in caplog.records] == [
-        "CompletionRequest: ignoring unsupported fields logit_bias, suffix"]
+        "CompletionRequest: ignoring unsupported fields response_format, suffix"]
 
 
 def test_best_of_other_than_n_names_best_of(server):

@@ -86,10 +86,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"requested {params.logprobs} logprobs per token, more than max_logprobs="
-                             f"{self.config.max_logprobs}")
         vocab = self.hf_config.vocab_size
+        if params.logprobs is not None and params.logprobs > min(self.config.max_logprobs, vocab):
+            raise ValueError(f"requested {params.logprobs} logprobs per token, more than max_logprobs="
+                             f"{self.config.max_logprobs} or the vocabulary ({vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         text = prompt if isinstance(prompt, str) else prompt_text
@@ -178,18 +178,24 @@ class LLMEngine:
             else:
                 outputs += self._process(current, final_only)
         except BaseException:
-            self._drop_failed_step([s for s in (previous and previous.sched, sched) if s is not None])
+            self._drop_failed_step(previous, sched)
             raise
         # One output per request per call, as callers expect: when two steps are read back in one call (an
         # overlapped step, then one that had to wait), the later output replaces the earlier (outputs are
         # cumulative).
         return list({o.request_id: o for o in outputs}.values())
 
-    def _drop_failed_step(self, scheds: list[SchedulerOutput]) -> None:
+    def _drop_failed_step(self, previous: _Step | None, sched: SchedulerOutput | None) -> None:
         """After a step raised (a bad input, out of memory, Ctrl-C): its requests are aborted, as their tokens and
-        the scheduler's view of them are lost, and the engine stays usable for the others. Blocks it registered in
-        the prefix cache may never have received their K/V, so the cache forgets every block."""
-        children = {it.request.request_id for s in scheds for it in s.scheduled}
+        the scheduler's view of them are lost, and the engine stays usable for the others. Where schedule() itself
+        raised, it may have advanced any running request, so all of them go. Blocks the step registered in the
+        prefix cache may never have received their K/V, so the cache forgets every block."""
+        if sched is None:
+            children = {r.request_id for r in self.scheduler.running}
+        else:
+            children = {it.request.request_id for it in sched.scheduled}
+        if previous is not None:
+            children.update(it.request.request_id for it in previous.sched.scheduled)
         self.abort_request(list({self.child_to_parent[c].request_id for c in children if c in self.child_to_parent}))
         self.kv_cache_manager.reset_prefix_cache()
 

@@ -171,14 +171,15 @@ class Sampler:
             [r.num_tokens for r in penalised], [r.num_prompt_tokens for r in penalised])
 
         raw_logprobs = torch.log_softmax(logits[logprob_idx], dim=-1) if logprob_rows else None
+        if biased:
+            # After the logprobs, which are the model's own (vLLM's default); before the penalties, as vLLM's
+            # logit-bias processor runs (it matters for the multiplicative repetition penalty).
+            biases = self._to_device(torch.tensor([b for _, _, b in biased], dtype=torch.float32))
+            logits.index_put_((bias_rows, bias_tokens), biases, accumulate=True)
         if penalty_rows:
             rows = _Rows(penalty_idx, len(penalty_rows) == batch)
             logits = rows.put(logits, _apply_penalties(rows.take(logits), rows.take(table), penalty_tokens,
                                                        penalty_num_tokens, penalty_num_prompt))
-        if biased:
-            # after the logprobs, which are the model's own (vLLM's default), before the bans and sampling
-            biases = self._to_device(torch.tensor([b for _, _, b in biased], dtype=torch.float32))
-            logits.index_put_((bias_rows, bias_tokens), biases, accumulate=True)
         if banned:
             logits[ban_rows, ban_tokens] = float("-inf")
 
@@ -194,8 +195,8 @@ class Sampler:
         # Logprobs of the sampled token and of each row's top-n tokens, read back with the tokens.
         num_top = [params[i].logprobs for i in logprob_rows]
         sampled_logprobs = raw_logprobs.gather(1, tokens[logprob_idx].unsqueeze(1)).squeeze(1)
-        # vLLM's rank: 1 + the tokens strictly more likely (ties share the better rank)
-        sampled_ranks = (raw_logprobs > sampled_logprobs[:, None]).sum(-1) + 1
+        # vLLM's rank: the tokens at least as likely, itself included (tied tokens share the worse rank)
+        sampled_ranks = (raw_logprobs >= sampled_logprobs[:, None]).sum(-1)
         top = raw_logprobs.topk(max(num_top), dim=-1)
         return SamplerOutput(self.host_buffers, tokens, logprob_rows, num_top,
                              (sampled_logprobs, sampled_ranks, top.values, top.indices))

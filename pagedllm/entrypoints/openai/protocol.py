@@ -18,8 +18,6 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.server")
 
-# vLLM's default max_logprobs.
-MAX_LOGPROBS = 20
 
 
 def random_id(prefix: str) -> str:
@@ -87,7 +85,8 @@ class _SamplingRequest(Strict):
         # Drawing best_of samples and keeping the n most likely is not implemented; best_of == n is plain sampling.
         n = info.data.get("n")
         if best_of is not None and n is not None and best_of != n:
-            raise ValueError(f"best_of must be equal to n ({n}): best_of > n is not supported")
+            raise ValueError(f"best_of must be equal to n ({n}): keeping the best n of best_of samples is not "
+                             f"supported")
         return best_of
 
     @model_validator(mode="after")
@@ -124,7 +123,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check_prompt(self):
@@ -200,7 +199,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check_logprobs(self):

@@ -264,6 +264,10 @@ class OpenAIServing:
             params = req.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+        limit = self.engine.config.max_logprobs  # the engine's option, checked here to name the field
+        if logprobs is not None and logprobs > limit:
+            raise APIError(400, f"{logprobs} logprobs requested, more than max_logprobs={limit}",
+                           param="top_logprobs" if prefix == "chatcmpl" else "logprobs")
         gen = _Generation(self.engine, self.metrics, random_id(prefix), prompts, params)
         await gen.add_requests()
         return gen
