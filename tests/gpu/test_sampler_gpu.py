@@ -34,6 +34,8 @@ DETERMINISTIC = [
     dict(temperature=0.0, logprobs=4),
     dict(temperature=0.7, top_k=1, logprobs=0),  # random row, but top_k=1 leaves one token
     dict(temperature=1.0, top_k=1, top_p=0.5, repetition_penalty=0.8),
+    dict(temperature=0.0, logit_bias={7: 100.0, 11: -100.0}, logprobs=2),  # forces token 7
+    dict(temperature=0.0, logit_bias={3: 2.5}, repetition_penalty=1.5, logprobs=1),
 ]
 
 
@@ -46,7 +48,8 @@ def test_deterministic_rows_equal_the_cpu_sampler():
         assert (a is None) == (b is None)
         if a is not None:
             assert list(a) == list(b)
-            assert all(abs(a[t] - b[t]) < 1e-3 for t in a)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 and a[t].rank == b[t].rank for t in a)
+    assert gpu.token_ids[-2] == 7
 
 
 def test_min_tokens_with_nothing_to_ban():
