@@ -43,6 +43,7 @@ from pagedllm.ops.xattention import reference as ref  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 128
 THRESHOLD = 0.9  # section (a)'s
+SELECTION = {False: "per-head", True: "per-kv-head"}  # share_kv_heads
 LENGTHS = [8192, 16384, 32768, 65536, 131072]
 TEXT_LENGTHS = [2048, 4096, 8192]
 SMOKE_LENGTHS = [512, 1024]
@@ -99,7 +100,7 @@ def kv_bytes(mask):
     return mask.sum().item() * BLOCK * HEAD_DIM * 2 * 2
 
 
-def random_data_rows(lengths, strides, densities, head_masks, sections, reps, device, dtype):
+def random_data_rows(lengths, strides, selections, densities, head_masks, sections, reps, device, dtype):
     """Rows of sections (a) and (b) on random Q/K/V of the 32/8-head, head-128 shape."""
     rows_a, rows_b = [], []
     for n in lengths:
@@ -111,14 +112,15 @@ def random_data_rows(lengths, strides, densities, head_masks, sections, reps, de
         k_rep = v_rep = None  # free the repeated copies before the sparse runs
         # (b) adds each stride's estimate time, so (a) runs whenever (b) does
         est_ms = {}
-        for stride in strides:
-            mask, density = xa.xattn_estimate(q, k, BLOCK, stride, THRESHOLD)
-            est_ms[stride] = bench_ms(lambda: xa.xattn_estimate(q, k, BLOCK, stride, THRESHOLD), reps(n), device)
+        for stride, share in ((st, sh) for st in strides for sh in selections):
+            mask, density = xa.xattn_estimate(q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share)
+            est = bench_ms(lambda: xa.xattn_estimate(q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share),
+                           reps(n), device)
+            est_ms.setdefault(stride, est)  # (b) adds the first selection's
             sparse = bench_ms(lambda: xa.block_sparse_attention(q, k, v, mask, BLOCK), reps(n), device)
-            rows_a.append(dict(seq_len=n, stride=stride, dense_ms=dense, estimate_ms=est_ms[stride],
-                               sparse_ms=sparse, density=float(density),
-                               speedup=dense / (est_ms[stride] + sparse)))
-            print(f"(a) {n} stride {stride}: dense {dense:.2f} ms, estimate {est_ms[stride]:.2f} ms, "
+            rows_a.append(dict(seq_len=n, stride=stride, share_kv_heads=share, dense_ms=dense, estimate_ms=est,
+                               sparse_ms=sparse, density=float(density), speedup=dense / (est + sparse)))
+            print(f"(a) {n} stride {stride} {SELECTION[share]}: dense {dense:.2f} ms, estimate {est:.2f} ms, "
                   f"sparse {sparse:.2f} ms, density {float(density):.3f}", flush=True)
         if "b" in sections:
             for d, kind in ((d, kind) for d in densities for kind in head_masks):
@@ -134,7 +136,7 @@ def random_data_rows(lengths, strides, densities, head_masks, sections, reps, de
     return rows_a, rows_b
 
 
-def real_data_rows(lengths, strides, thresholds, max_layers, reps, device, dtype):
+def real_data_rows(lengths, strides, selections, thresholds, max_layers, reps, device, dtype):
     """Section (c): ``(shape, rows)``, one row per (length, stride, threshold), times summed over layers."""
     model, _, ids = load_text_model(dtype, device)
     rows, shape = [], None
@@ -147,20 +149,20 @@ def real_data_rows(lengths, strides, thresholds, max_layers, reps, device, dtype
         group = shape["heads"] // shape["kv_heads"]
         rep = [(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) for q, k, v in qkv]
         dense = bench_ms(lambda: [F.scaled_dot_product_attention(*x, is_causal=True) for x in rep], reps(n), device)
-        for stride in strides:
+        for stride, share in ((st, sh) for st in strides for sh in selections):
             for thr in thresholds:
-                picks = [xa.xattn_estimate(q, k, BLOCK, stride, thr) for q, k, _ in qkv]
-                est = bench_ms(lambda: [xa.xattn_estimate(q, k, BLOCK, stride, thr) for q, k, _ in qkv],
-                               reps(n), device)
+                picks = [xa.xattn_estimate(q, k, BLOCK, stride, thr, share_kv_heads=share) for q, k, _ in qkv]
+                est = bench_ms(lambda: [xa.xattn_estimate(q, k, BLOCK, stride, thr, share_kv_heads=share)
+                                        for q, k, _ in qkv], reps(n), device)
                 sparse = bench_ms(lambda: [xa.block_sparse_attention(q, k, v, mask, BLOCK)
                                            for (q, k, v), (mask, _) in zip(qkv, picks)], reps(n), device)
                 # every layer has the same heads and blocks, so the overall density is the layers' mean
                 layer_density = [float(d) for _, d in picks]
                 density = sum(layer_density) / len(layer_density)
-                rows.append(dict(seq_len=n, stride=stride, threshold=thr, density=density,
+                rows.append(dict(seq_len=n, stride=stride, share_kv_heads=share, threshold=thr, density=density,
                                  layer_density=layer_density, dense_ms=dense, estimate_ms=est, sparse_ms=sparse,
                                  speedup=dense / (est + sparse)))
-                print(f"(c) {n} stride {stride} threshold {thr}: density {density:.3f} (layers "
+                print(f"(c) {n} stride {stride} {SELECTION[share]} threshold {thr}: density {density:.3f} (layers "
                       f"{min(layer_density):.3f}-{max(layer_density):.3f}), dense {dense:.2f} ms, estimate "
                       f"{est:.2f} ms, sparse {sparse:.2f} ms", flush=True)
     return shape, rows
@@ -170,10 +172,10 @@ def print_random_tables(rows_a, rows_b, strides, device_name, dtype):
     if rows_a:
         print(f"\n## (a) XAttention vs dense causal SDPA ({device_name}, {HEADS}/{KV_HEADS} heads, head "
               f"{HEAD_DIM}, {dtype}, block {BLOCK}, threshold {THRESHOLD}, random data)\n")
-        print("| seq len | stride | dense SDPA ms | estimate ms | sparse attn ms | density | speedup |")
-        print("|---|---|---|---|---|---|---|")
+        print("| seq len | stride | selection | dense SDPA ms | estimate ms | sparse attn ms | density | speedup |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows_a:
-            print(f"| {r['seq_len']} | {r['stride']} | {r['dense_ms']:.2f} | {r['estimate_ms']:.2f} | "
+            print(f"| {r['seq_len']} | {r['stride']} | {SELECTION[r['share_kv_heads']]} | {r['dense_ms']:.2f} | {r['estimate_ms']:.2f} | "
                   f"{r['sparse_ms']:.2f} | {r['density']:.3f} | {r['speedup']:.2f}x |")
     if rows_b:
         print("\n## (b) Sparse attention at fixed densities (random masks); speedup over dense SDPA of the "
@@ -189,24 +191,26 @@ def print_random_tables(rows_a, rows_b, strides, device_name, dtype):
 
 def print_real_tables(shape, rows_c, rows_b, device_name, dtype):
     lengths = sorted({r["seq_len"] for r in rows_c})
-    configs = list(dict.fromkeys((r["stride"], r["threshold"]) for r in rows_c))
-    by_key = {(r["seq_len"], r["stride"], r["threshold"]): r for r in rows_c}
+    configs = list(dict.fromkeys((r["stride"], r["share_kv_heads"], r["threshold"]) for r in rows_c))
+    by_key = {(r["seq_len"], r["stride"], r["share_kv_heads"], r["threshold"]): r for r in rows_c}
     print(f"\n## (c) Real data: {MODEL} ({shape['heads']} query / {shape['kv_heads']} kv heads, head "
           f"{shape['head_dim']}, {shape['layers']} layers; {device_name}, {dtype}, block {BLOCK}); times summed "
           f"over the layers\n\nText: {TEXT_SOURCE}, the first N tokens.\n")
-    print("| seq len | stride | threshold | density | dense SDPA ms | estimate ms | sparse attn ms | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| seq len | stride | selection | threshold | density | dense SDPA ms | estimate ms | sparse attn ms | "
+          "speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows_c:
-        print(f"| {r['seq_len']} | {r['stride']} | {r['threshold']} | {r['density']:.3f} | {r['dense_ms']:.2f} | "
+        print(f"| {r['seq_len']} | {r['stride']} | {SELECTION[r['share_kv_heads']]} | {r['threshold']} | {r['density']:.3f} | {r['dense_ms']:.2f} | "
               f"{r['estimate_ms']:.2f} | {r['sparse_ms']:.2f} | {r['speedup']:.2f}x |")
     print("\n### Density vs length (kept fraction of the causal blocks, all layers)\n")
-    print("| stride | threshold | " + " | ".join(str(n) for n in lengths) + " |")
-    print("|---|---|" + "---|" * len(lengths))
-    for st, thr in configs:
-        print(f"| {st} | {thr} | " + " | ".join(f"{by_key[n, st, thr]['density']:.3f}" for n in lengths) + " |")
+    print("| stride | selection | threshold | " + " | ".join(str(n) for n in lengths) + " |")
+    print("|---|---|---|" + "---|" * len(lengths))
+    for st, sh, thr in configs:
+        print(f"| {st} | {SELECTION[sh]} | {thr} | "
+              + " | ".join(f"{by_key[n, st, sh, thr]['density']:.3f}" for n in lengths) + " |")
     print("\n### Density per layer\n")
-    cols = [(n, st, thr) for n in lengths for st, thr in configs]
-    print("| layer | " + " | ".join(f"{n} s{st} t{thr}" for n, st, thr in cols) + " |")
+    cols = [(n, *c) for n in lengths for c in configs]
+    print("| layer | " + " | ".join(f"{n} s{st}{' kv' if sh else ''} t{thr}" for n, st, sh, thr in cols) + " |")
     print("|---|" + "---|" * len(cols))
     for layer in range(shape["layers"]):
         print(f"| {layer} | " + " | ".join(f"{by_key[c]['layer_density'][layer]:.3f}" for c in cols) + " |")
@@ -218,17 +222,17 @@ def print_real_tables(shape, rows_c, rows_b, device_name, dtype):
         print(f"\n### Curve (b) read at the real density of {longest} tokens: speedup with estimate (fixed density "
               "used). Random masks, not a measurement on real data; the density at these lengths is unknown "
               "(see its trend with length above)\n")
-        print("| stride | threshold | head masks | density at " + f"{longest} | "
+        print("| stride | selection | threshold | head masks | density at " + f"{longest} | "
               + " | ".join(str(n) for n in b_lengths) + " |")
-        print("|---|---|---|---|" + "---|" * len(b_lengths))
-        for (st, thr), kind in ((c, kind) for c in configs for kind in sorted({r["head_masks"] for r in rows_b})):
-            d = by_key[longest, st, thr]["density"]
+        print("|---|---|---|---|---|" + "---|" * len(b_lengths))
+        for (st, sh, thr), kind in ((c, kind) for c in configs for kind in sorted({r["head_masks"] for r in rows_b})):
+            d = by_key[longest, st, sh, thr]["density"]
             cells = []
             for n in b_lengths:
                 near = min((r for r in rows_b if r["seq_len"] == n and r["head_masks"] == kind),
                            key=lambda r: abs(r["density"] - d))
                 cells.append(f"{near['speedup_with_estimate'][st]:.2f}x ({near['density']:.2f})")
-            print(f"| {st} | {thr} | {kind} | {d:.3f} | " + " | ".join(cells) + " |")
+            print(f"| {st} | {SELECTION[sh]} | {thr} | {kind} | {d:.3f} | " + " | ".join(cells) + " |")
 
 
 def out_path(out, smoke):
@@ -242,6 +246,9 @@ def main():
     parser.add_argument("--sections", nargs="+", choices=["a", "b", "c"], default=["a", "b", "c"])
     parser.add_argument("--lengths", type=int, nargs="+", help=f"(a), (b); default {LENGTHS}")
     parser.add_argument("--strides", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--selections", nargs="+", choices=list(SELECTION.values()), default=[SELECTION[False]],
+                        help="(a), (c): XAttention's block selection per query head (the seed's) or one per kv "
+                             "head (share_kv_heads)")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3, 0.5], help="(b)")
     parser.add_argument("--head-masks", nargs="+", choices=["independent", "group"], default=["independent"],
                         help="(b): a mask per query head, or one per kv head shared by its query heads")
@@ -261,15 +268,16 @@ def main():
         device, dtype, device_name = torch.device("cuda"), torch.bfloat16, torch.cuda.get_device_name()
         lengths, text_lengths, max_layers = args.lengths or LENGTHS, args.text_lengths or TEXT_LENGTHS, None
     reps = functools.partial(repetitions, smoke=args.cpu_smoke)
+    selections = [name == SELECTION[True] for name in args.selections]
     torch.manual_seed(0)
 
     rows_a, rows_b, shape, rows_c = [], [], None, []
     if "a" in args.sections or "b" in args.sections:
-        rows_a, rows_b = random_data_rows(lengths, args.strides, args.densities, args.head_masks, args.sections,
+        rows_a, rows_b = random_data_rows(lengths, args.strides, selections, args.densities, args.head_masks, args.sections,
                                           reps, device, dtype)
         print(f"random data done ({time.time() - start:.0f} s)", flush=True)
     if "c" in args.sections:
-        shape, rows_c = real_data_rows(text_lengths, args.strides, args.thresholds, max_layers, reps, device,
+        shape, rows_c = real_data_rows(text_lengths, args.strides, selections, args.thresholds, max_layers, reps, device,
                                        dtype)
         print(f"real data done ({time.time() - start:.0f} s)", flush=True)
 
