@@ -2,7 +2,9 @@
 
 (a) Random Q/K/V, 32 query / 8 kv heads, head 128, per length and stride: dense SDPA time; XAttention's
     estimation (block selection included) and sparse-attention times at threshold 0.9, and the density it
-    chose. Random Q/K attend almost uniformly, so that density says nothing about real prompts.
+    chose; --selections per-head per-kv-head also times the selection shared by a kv head's query heads
+    (share_kv_heads), here and in (c). Random Q/K attend almost uniformly, so that density says nothing about
+    real prompts.
 (b) The sparse attention alone at fixed densities (random masks that keep the sink and the diagonal), same
     shapes, so the speed-up can be read off at the density a real model produces. --head-masks picks how the
     query heads' masks relate: drawn per query head ("independent", the default) or per kv head and shared
@@ -175,8 +177,8 @@ def print_random_tables(rows_a, rows_b, strides, device_name, dtype):
         print("| seq len | stride | selection | dense SDPA ms | estimate ms | sparse attn ms | density | speedup |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows_a:
-            print(f"| {r['seq_len']} | {r['stride']} | {SELECTION[r['share_kv_heads']]} | {r['dense_ms']:.2f} | {r['estimate_ms']:.2f} | "
-                  f"{r['sparse_ms']:.2f} | {r['density']:.3f} | {r['speedup']:.2f}x |")
+            print(f"| {r['seq_len']} | {r['stride']} | {SELECTION[r['share_kv_heads']]} | {r['dense_ms']:.2f} | "
+                  f"{r['estimate_ms']:.2f} | {r['sparse_ms']:.2f} | {r['density']:.3f} | {r['speedup']:.2f}x |")
     if rows_b:
         print("\n## (b) Sparse attention at fixed densities (random masks); speedup over dense SDPA of the "
               "attention alone and with each stride's estimate (from (a)) added\n")
@@ -200,8 +202,9 @@ def print_real_tables(shape, rows_c, rows_b, device_name, dtype):
           "speedup |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows_c:
-        print(f"| {r['seq_len']} | {r['stride']} | {SELECTION[r['share_kv_heads']]} | {r['threshold']} | {r['density']:.3f} | {r['dense_ms']:.2f} | "
-              f"{r['estimate_ms']:.2f} | {r['sparse_ms']:.2f} | {r['speedup']:.2f}x |")
+        print(f"| {r['seq_len']} | {r['stride']} | {SELECTION[r['share_kv_heads']]} | {r['threshold']} | "
+              f"{r['density']:.3f} | {r['dense_ms']:.2f} | {r['estimate_ms']:.2f} | {r['sparse_ms']:.2f} | "
+              f"{r['speedup']:.2f}x |")
     print("\n### Density vs length (kept fraction of the causal blocks, all layers)\n")
     print("| stride | selection | threshold | " + " | ".join(str(n) for n in lengths) + " |")
     print("|---|---|---|" + "---|" * len(lengths))
@@ -273,12 +276,12 @@ def main():
 
     rows_a, rows_b, shape, rows_c = [], [], None, []
     if "a" in args.sections or "b" in args.sections:
-        rows_a, rows_b = random_data_rows(lengths, args.strides, selections, args.densities, args.head_masks, args.sections,
-                                          reps, device, dtype)
+        rows_a, rows_b = random_data_rows(lengths, args.strides, selections, args.densities, args.head_masks,
+                                          args.sections, reps, device, dtype)
         print(f"random data done ({time.time() - start:.0f} s)", flush=True)
     if "c" in args.sections:
-        shape, rows_c = real_data_rows(text_lengths, args.strides, selections, args.thresholds, max_layers, reps, device,
-                                       dtype)
+        shape, rows_c = real_data_rows(text_lengths, args.strides, selections, args.thresholds, max_layers, reps,
+                                       device, dtype)
         print(f"real data done ({time.time() - start:.0f} s)", flush=True)
 
     print_random_tables(rows_a, rows_b, args.strides, device_name, dtype)
