@@ -256,15 +256,15 @@ def test_xattention_prefill_at_threshold_one_equals_dense(llm, prompts, monkeypa
     calls = []
     real = xattention.xattention_paged_prefill
     monkeypatch.setattr(xattention, "xattention_paged_prefill",
-                        lambda *a, **k: calls.append(k["share_kv_heads"]) or real(*a, **k))
+                        lambda *a, **k: calls.append((k["share_kv_heads"], k["fp8_estimate"])) or real(*a, **k))
     sparse = LLM(MODEL, dtype="float32", sparse_prefill="xattention", xattn_threshold=1.0, xattn_stride=8,
-                 xattn_block_size=64, xattn_min_prompt_len=256, xattn_share_kv_heads=True,
+                 xattn_block_size=64, xattn_min_prompt_len=256, xattn_share_kv_heads=True, xattn_fp8_estimate=True,
                  max_num_batched_tokens=512)
     # A long prompt prefilled in chunks against its cached prefix, next to a short one, then a prefix hit.
     workload = [prompts[3], prompts[0], prompts[3][:700] + [11, 12, 13]]
     assert token_ids(sparse.generate(workload, GREEDY, use_tqdm=False)) == \
         token_ids(llm.generate(workload, GREEDY, use_tqdm=False))
-    assert calls and all(calls)  # the long prefills really went through XAttention, with the engine's options
+    assert calls and all(all(c) for c in calls)  # the long prefills went through XAttention, with the options
 
 
 def test_final_only_steps_return_each_request_once_when_finished(llm):

@@ -182,6 +182,49 @@ def test_estimate_triton_matches_reference(triton_backend):
     assert 0 < float(density) < 1
 
 
+def test_fp8_rows_round_each_reshaped_row_to_e4m3():
+    torch.manual_seed(9)
+    x = _randn(1, 2, 37, 48) * torch.tensor([0.01, 40.0])[None, :, None, None]  # small and large heads
+    x[0, 0, 5:13] = 0  # an all-zero reshaped row (tokens 5..12 after 3 of padding; scale 1)
+    got = ref.fp8_rows(x, 3, 8)
+    rows = torch.nn.functional.pad(x.float(), (0, 0, 3, 0)).view(1, 2, 5, 384)
+    scale = rows.abs().amax(-1, keepdim=True) * (1.0 / ref.FP8_MAX)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    got_rows = torch.nn.functional.pad(got, (0, 0, 3, 0)).view(1, 2, 5, 384)
+    # already on the e4m3 grid of its row's scale, the row's largest magnitude kept, every value within half a step
+    assert torch.equal((got_rows / scale).to(torch.float8_e4m3fn).float() * scale, got_rows)
+    torch.testing.assert_close(got_rows.abs().amax(-1), rows.abs().amax(-1))
+    half_subnormal = rows.abs().amax(-1).repeat_interleave(8, -1)[..., 3:, None] / ref.FP8_MAX * 2 ** -10
+    assert ((got - x.float()).abs() <= x.float().abs() / 16 + half_subnormal).all()
+    assert torch.equal(got[0, 0, 5:13], torch.zeros(8, 48)) and not torch.equal(got, x.float())
+
+
+@pytest.mark.parametrize("q_len,k_len,heads,stride,block,chunk,head,packed", [
+    (512, 512, (2, 2), 8, 64, 16384, 64, True),
+    (300, 700, (4, 2), 8, 64, 128, 64, True),   # chunked prefill, unaligned start, GQA, several chunks
+    (77, 333, (2, 1), 4, 32, 64, 64, True),     # ragged everything
+    (96, 96, (2, 1), 16, 32, 16384, 72, False),  # head of 72: padded to 96 channels
+])
+def test_fp8_block_sums_triton_match_reference(q_len, k_len, heads, stride, block, chunk, head, packed):
+    from pagedllm.ops.xattention import estimate
+    torch.manual_seed(3)
+    if packed:
+        q = (_randn(q_len, heads[0], head) * 4).transpose(0, 1)[None]
+    else:
+        q = _randn(2, heads[0], q_len, head) * 4
+    k = _randn(q.shape[0], heads[1], k_len, head)
+    front = (k_len - q_len) % stride
+    for x, lead in ((q, front), (k, 0)):  # the kernel's tokens and scales are the reference's rounding
+        tokens, scales = estimate._fp8_tokens(x, lead, stride)
+        deq = tokens.float().view(*scales.shape, -1) * scales[..., None]
+        assert torch.equal(deq.view(*x.shape[:2], -1, tokens.shape[-1])[:, :, lead:lead + x.shape[2], :head],
+                           ref.fp8_rows(x, lead, stride))
+    got, first = estimate.block_sums(q, k, block, stride, chunk, True, fp8_estimate=True)
+    want, _ = ref.block_sums(q, k, block, stride, chunk, True, fp8_estimate=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(want, ref.block_sums(q, k, block, stride, chunk, True)[0], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_shared_selection_is_one_per_kv_head(backend):
     """share_kv_heads: each kv head's query heads select together, from their block sums added up (with per-head
@@ -326,13 +369,14 @@ def test_paged_threshold_one_equals_paged_prefill(backend, layout, kv_cache_dtyp
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("layout,share_kv_heads", [(layout, False) for layout in ops_ref.KV_CACHE_LAYOUTS] +
-                         [("vllm", True)])
-def test_paged_triton_matches_reference(triton_backend, layout, share_kv_heads):
+@pytest.mark.parametrize("layout,share_kv_heads,fp8_estimate", [(layout, False, False)
+                                                                for layout in ops_ref.KV_CACHE_LAYOUTS] +
+                         [("vllm", True, False), ("hnd", False, True)])
+def test_paged_triton_matches_reference(triton_backend, layout, share_kv_heads, fp8_estimate):
     args = _paged_case([(256, 256), (130, 400)], 4, 1, 64, 16, "auto", torch.float16, seed=8, layout=layout)
     out, want = torch.zeros_like(args[0]), torch.zeros_like(args[0])
     thr = torch.tensor([0.5, 0.7, 0.8, 0.9])
-    options = dict(threshold=thr, stride=4, block_size=32, share_kv_heads=share_kv_heads)
+    options = dict(threshold=thr, stride=4, block_size=32, share_kv_heads=share_kv_heads, fp8_estimate=fp8_estimate)
     xa.xattention_paged_prefill(out, *args, **options)
     ref.xattention_paged_prefill(want, *args, **options)
     if share_kv_heads:  # the shared selection is not the per-head one

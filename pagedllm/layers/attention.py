@@ -29,6 +29,7 @@ class SparsePrefill:
     stride: int
     block_size: int
     share_kv_heads: bool = False  # one selection per kv head (ops.xattention.reference.kv_head_sums)
+    fp8_estimate: bool = False  # fp8 Q and K in the estimate (ops.xattention.reference.fp8_rows)
 
 
 @dataclass
@@ -162,4 +163,5 @@ class Attention(nn.Module):
             else:
                 xattention.xattention_paged_prefill(*args, threshold=sparse.threshold, stride=sparse.stride,
                                                     block_size=sparse.block_size,
-                                                    share_kv_heads=sparse.share_kv_heads)
+                                                    share_kv_heads=sparse.share_kv_heads,
+                                                    fp8_estimate=sparse.fp8_estimate)

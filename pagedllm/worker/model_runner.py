@@ -40,7 +40,8 @@ class ModelRunner:
         self.sparse_prefill = None
         if config.sparse_prefill == "xattention":
             self.sparse_prefill = SparsePrefill(config.xattn_threshold, config.xattn_stride,
-                                                config.xattn_block_size, config.xattn_share_kv_heads)
+                                                config.xattn_block_size, config.xattn_share_kv_heads,
+                                                config.xattn_fp8_estimate)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_size = head_size_of(hf_config)

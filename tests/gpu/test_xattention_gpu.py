@@ -60,6 +60,26 @@ def test_block_sums_match_reference(q_len, k_len, stride):
     assert 0 < float(density) <= 1
 
 
+@pytest.mark.parametrize("stride", [8, 16])
+def test_fp8_estimate_matches_reference(stride):
+    """fp8_estimate: the kernel's e4m3 tokens and row scales are the reference's rounding bit for bit (the query
+    starting mid reshaped row, channels spanning four decades). The H100's fp8 MMAs add into their accumulator
+    keeping ~14 bits, so the block sums follow exact fp8 math to ~2e-2 (on real text ~1e-2, benchmarks/results),
+    and the selection nearly everywhere."""
+    q, k, _ = _qkv(5000, 20000, seed=7)
+    q = q * torch.logspace(-2, 2, D, device="cuda").bfloat16()
+    for x, front in ((q, (20000 - 5000) % stride), (k, 0)):
+        tokens, scales = estimate._fp8_tokens(x, front, stride)
+        deq = (tokens.float().view(*scales.shape, -1) * scales[..., None]).view(*x.shape[:2], -1, D)
+        assert torch.equal(deq[:, :, front:front + x.shape[2]], ref.fp8_rows(x, front, stride))
+    got, first = estimate.block_sums(q, k, 128, stride, 16384, True, fp8_estimate=True)
+    want = ref.block_sums(q, k, 128, stride, 4096, True, fp8_estimate=True)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-2)
+    mask, density = xa.xattn_estimate(q, k, 128, stride, 0.9, fp8_estimate=True)
+    exact, _ = ref.select_blocks(want, first, 0.9)
+    assert (mask != exact).sum() < 0.02 * exact.sum() and 0 < float(density) < 1
+
+
 @pytest.mark.parametrize("heads,kv_heads,head,stride", [(9, 3, 64, 8), (4, 1, 256, 16), (4, 2, 80, 8),
                                                       (4, 2, 72, 16)])
 def test_block_sums_other_heads_match_reference(heads, kv_heads, head, stride):
@@ -149,20 +169,21 @@ def test_paged_threshold_one_equals_paged_prefill(kv_cache_dtype, layout):
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("share_kv_heads", [False, True])
-def test_paged_sparse_matches_dense_sparse(share_kv_heads):
+@pytest.mark.parametrize("share_kv_heads,fp8_estimate", [(False, False), (True, False), (False, True)])
+def test_paged_sparse_matches_dense_sparse(share_kv_heads, fp8_estimate):
     """At threshold 0.9 the paged op equals block-sparse attention over the gathered K/V with the mask the
     estimate picks for them (with share_kv_heads, one mask for each kv head's query heads)."""
     args = _paged(_SEQS[1:], "auto", layout="hnd")
     query, tables, qsl = args[0], args[5], args[7].tolist()
     key_cache, value_cache = ops_ref.as_vllm_layout(args[1], args[2])
     out = torch.empty_like(query)
-    xa.xattention_paged_prefill(out, *args, threshold=0.9, share_kv_heads=share_kv_heads)
+    xa.xattention_paged_prefill(out, *args, threshold=0.9, share_kv_heads=share_kv_heads, fp8_estimate=fp8_estimate)
     for i, (q_len, seq_len) in enumerate(_SEQS[1:]):
         k = ref.gather_sequence(key_cache, tables[i], seq_len, "auto", 1.0, torch.bfloat16, True)[None]
         v = ref.gather_sequence(value_cache, tables[i], seq_len, "auto", 1.0, torch.bfloat16, False)[None]
         q = query[qsl[i]:qsl[i + 1]].transpose(0, 1)[None]
-        mask, density = xa.xattn_estimate(q, k, 128, 8, 0.9, share_kv_heads=share_kv_heads)
+        mask, density = xa.xattn_estimate(q, k, 128, 8, 0.9, share_kv_heads=share_kv_heads,
+                                          fp8_estimate=fp8_estimate)
         assert float(density) < 1
         if share_kv_heads:
             group = mask.view(1, k.shape[1], -1, *mask.shape[2:])

@@ -3,7 +3,8 @@
 Public ops (semantics and block geometry in ``reference.py``):
 ``flat_group_gemm_fuse_reshape``, ``softmax_fuse_block_sum`` (the seed's two estimation stages),
 ``xattn_estimate`` (fused estimation + block selection), ``block_sparse_attention`` (dense K/V) and
-``xattention_paged_prefill`` (``paged_prefill``'s arguments plus threshold/stride/block_size/share_kv_heads).
+``xattention_paged_prefill`` (``paged_prefill``'s arguments plus threshold/stride/block_size/share_kv_heads/
+fp8_estimate).
 
 Backend per call, the same choice as every other op in ``pagedllm.ops``: the reference backend runs the
 PyTorch references, any other (Triton, CUDA) runs the Triton kernels; ``PAGEDLLM_OPS_BACKEND=triton`` runs
@@ -41,13 +42,13 @@ def softmax_fuse_block_sum(attn_weights_slice, reshaped_block_size, segment_size
 
 
 def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True,
-                   share_kv_heads=False):
+                   share_kv_heads=False, fp8_estimate=False):
     """``(block_mask, density)``; see ``reference.xattn_estimate``."""
     if _use_triton(query):
         from pagedllm.ops.xattention.estimate import xattn_estimate as fn
     else:
         fn = reference.xattn_estimate
-    return fn(query, key, block_size, stride, threshold, chunk_size, causal, share_kv_heads)
+    return fn(query, key, block_size, stride, threshold, chunk_size, causal, share_kv_heads, fp8_estimate)
 
 
 def block_sparse_attention(q, k, v, block_mask, block_size=128, causal=True, scale=None):
@@ -61,11 +62,11 @@ def block_sparse_attention(q, k, v, block_mask, block_size=128, causal=True, sca
 def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                              query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
                              k_scale, v_scale, threshold=0.9, stride=8, block_size=128,
-                             share_kv_heads=False) -> None:
+                             share_kv_heads=False, fp8_estimate=False) -> None:
     if _use_triton(query):
         from pagedllm.ops.xattention.sparse_attention import xattention_paged_prefill as fn
     else:
         fn = reference.xattention_paged_prefill
     fn(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, query_start_loc,
        max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, threshold, stride,
-       block_size, share_kv_heads)
+       block_size, share_kv_heads, fp8_estimate)

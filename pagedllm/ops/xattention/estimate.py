@@ -12,6 +12,12 @@ head index; out-of-range tokens load as zeros). A token-padded copy is made only
 not contiguous (the engine's packed query), a length or the queries' offset is not a multiple of the stride,
 a stride breaks TMA's 16-byte alignment, or the head is not a multiple of 16 channels. `select_blocks` then
 picks each query block's key blocks in one program per row, by bisection instead of a sort.
+
+``fp8_estimate``: a small kernel first rounds Q and K to e4m3 with one scale per reshaped row (reference.fp8_rows),
+and the GEMM runs on e4m3 tiles (twice the channels a step at the same bytes), each score tile scaled by its rows'
+and columns' scales. The estimator is bound by moving its tiles into the SMs, so this cut its time by ~30% on the
+H100. Hopper's fp8 MMAs add into their accumulator keeping ~14 bits, so the sums follow exact fp8 math to ~3e-2;
+summing every step's products in fp32 (``max_num_imprecise_acc``) made it no faster than bf16 (results README).
 """
 import torch
 import triton
@@ -21,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import reference as ref
 
 NEG_INF = tl.constexpr(float("-inf"))
+FP8_MAX = tl.constexpr(ref.FP8_MAX)
 # Fused estimator tiles (reshaped rows x reshaped keys, head-dim chunk) and launch shape. On the H100 at 64K
 # (32/8 heads, head 128): 5.4 ms (400 TFLOP/s) at stride 8 and 3.0 ms at 16, where the pointer-load kernel
 # with 128 x 128 tiles took 7.3 / 4.7 (results README). The interpreter (CPU tests) uses small tiles so small
@@ -155,10 +162,13 @@ def softmax_fuse_block_sum(attn_weights_slice, reshaped_block_size, segment_size
 # Fused estimator
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _estimate_kernel(q_desc, k_desc, PART, TMAX, OUT, stride_pz, stride_pr, stride_tz, stride_tr, stride_ob,
-                     stride_oh, stride_oq, H, GROUP, q_row0, q_first, k_len, row0, first_row, q_blocks, k_blocks,
-                     scale, STRIDE: tl.constexpr, RBS: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+def _estimate_kernel(q_desc, k_desc, Q_SCALE, K_SCALE, PART, TMAX, OUT, stride_pz, stride_pr, stride_tz, stride_tr,
+                     stride_ob, stride_oh, stride_oq, H, GROUP, q_row0, q_first, k_len, row0, first_row, q_blocks,
+                     k_blocks, q_scale_rows, scale, STRIDE: tl.constexpr, RBS: tl.constexpr, HEAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr,
+                     DOT_PREC: tl.constexpr, FP8: tl.constexpr):
+    """FP8: q_desc / k_desc read e4m3 tokens whose reshaped rows carry the scales Q_SCALE / K_SCALE (_fp8_tokens);
+    each score tile is scaled by its rows' and columns' scales once its GEMM is done."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row of this chunk's scratch
@@ -178,6 +188,9 @@ def _estimate_kernel(q_desc, k_desc, PART, TMAX, OUT, stride_pz, stride_pr, stri
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if FP8:
+        q_row = rows - q_row0  # rows before the descriptor's first are zeros whatever their scale
+        q_scale = tl.load(Q_SCALE + bh * q_scale_rows + q_row, mask=(q_row >= 0) & (q_row < q_scale_rows), other=0.0)
     for it in range(0, tl.cdiv(hi, BLOCK_N) * K_STEPS):
         t = it // K_STEPS
         acc = _antidiag_step(acc, q_desc, k_desc, b, h, h // GROUP, row0 + pid_m * BLOCK_M - q_row0, t * BLOCK_N,
@@ -187,6 +200,10 @@ def _estimate_kernel(q_desc, k_desc, PART, TMAX, OUT, stride_pz, stride_pr, stri
             ok = (cols < n_cols)[None, :]
             if CAUSAL:
                 ok = ok & (cols[None, :] <= rows[:, None])
+            if FP8:
+                k_scale = tl.load(K_SCALE + (bh // H * (H // GROUP) + h // GROUP) * n_cols + cols, mask=cols < n_cols,
+                                  other=0.0)
+                acc = acc * q_scale[:, None] * k_scale[None, :]
             s = tl.where(ok, acc * scale, NEG_INF)
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             m_t = tl.max(s, axis=1)
@@ -215,21 +232,26 @@ def _estimate_kernel(q_desc, k_desc, PART, TMAX, OUT, stride_pz, stride_pr, stri
         tl.store(o_base + kb[None, :], sums, mask=(qb < q_blocks)[:, None] & (kb < k_blocks)[None, :])
 
 
-def block_sums(query, key, block_size, stride, chunk_size, causal):
+def block_sums(query, key, block_size, stride, chunk_size, causal, fp8_estimate=False):
     """``(sums, first_q_block)`` as ``reference.block_sums`` defines them."""
     b, h, hkv, q_len, k_len, d = ref.check_qkv(query, key)
     ref.check_estimate_args(block_size, stride, chunk_size)
     first, q_blocks, k_blocks = ref.block_layout(q_len, k_len, block_size)
     q_first = k_len - q_len
-    q = _tma_tokens(query, q_first % stride, stride)  # its token 0 now sits at absolute reshaped row q_row0
-    k = _tma_tokens(key, 0, stride)
+    # query token 0 then sits at absolute reshaped row q_row0
+    if fp8_estimate:
+        (q, q_scale), (k, k_scale) = _fp8_tokens(query, q_first % stride, stride), _fp8_tokens(key, 0, stride)
+    else:
+        q, k = _tma_tokens(query, q_first % stride, stride), _tma_tokens(key, 0, stride)
+        q_scale = k_scale = q  # never read without FP8
     d_pad = q.shape[-1]
     rbs = block_size // stride
     cfg = GPU_CONFIG if q.is_cuda else CPU_CONFIG
     block_m, block_n = max(rbs, cfg["block_m"]), max(rbs, cfg["block_n"])
     if block_m > 256 or block_n > 256:
         raise ValueError(f"block_size / stride = {rbs} reshaped rows per block; a TMA box holds at most 256")
-    block_k = min(cfg["block_k"], _block_k(d_pad))
+    # fp8 steps twice the channels, so a stage holds the same bytes (and the GEMM steps 32 channels at least)
+    block_k = min(cfg["block_k"] * (2 if fp8_estimate else 1), _block_k(d_pad, 128))
     total_rows = q_blocks * rbs
     chunk_rows = min(triton.cdiv(max(chunk_size // stride, 1), block_m) * block_m,
                      triton.cdiv(total_rows, block_m) * block_m)
@@ -242,11 +264,11 @@ def block_sums(query, key, block_size, stride, chunk_size, causal):
     for r0 in range(0, total_rows, chunk_rows):
         grid = (triton.cdiv(min(chunk_rows, total_rows - r0), block_m), b * h)
         _estimate_kernel[grid](
-            q_desc, k_desc, part, tmax, out, *part.stride()[:2], *tmax.stride()[:2], *out.stride()[:3], h,
-            h // hkv, q_first // stride, q_first, k_len, first * rbs + r0, first * rbs, q_blocks, k_blocks,
-            ref.estimate_scale(d, stride), STRIDE=stride, RBS=rbs, HEAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            q_desc, k_desc, q_scale, k_scale, part, tmax, out, *part.stride()[:2], *tmax.stride()[:2],
+            *out.stride()[:3], h, h // hkv, q_first // stride, q_first, k_len, first * rbs + r0, first * rbs, q_blocks,
+            k_blocks, q.shape[2] // stride, ref.estimate_scale(d, stride), STRIDE=stride, RBS=rbs, HEAD=d_pad,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
+            FP8=fp8_estimate, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, first
 
 
@@ -297,8 +319,8 @@ def select_blocks(block_sums, first_q_block, threshold, causal=True):
 
 
 def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True,
-                   share_kv_heads=False):
-    sums, first = block_sums(query, key, block_size, stride, chunk_size, causal)
+                   share_kv_heads=False, fp8_estimate=False):
+    sums, first = block_sums(query, key, block_size, stride, chunk_size, causal, fp8_estimate)
     if share_kv_heads:
         sums = ref.kv_head_sums(sums, key.shape[1])
     return select_blocks(sums, first, threshold, causal)
@@ -321,6 +343,55 @@ def _tma_tokens(x, front, stride):
     out = x.new_zeros(b, h, total, d_pad)
     out[:, :, front:front + n, :d] = x
     return out
+
+
+@triton.jit
+def _e4m3_grid(y):
+    """y (|y| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in float32: the conversion
+    that follows is then exact. (The Triton interpreter's own conversion rounds some values wrongly, e.g. 125.9
+    to 64 and subnormals down, so the CPU tests could not check the kernel against torch's rounding.)"""
+    exp = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_exp = tl.maximum(exp, -6) - 3  # 3 mantissa bits; subnormals below 2^-6
+    to_ulps = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+    ulp = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
+    # adding 1.5 * 2^23 rounds to an integer, ties to even (y * to_ulps is exact, so an FMA changes nothing)
+    return ((y * to_ulps + 12582912.0) - 12582912.0) * ulp
+
+
+@triton.jit
+def _fp8_rows_kernel(X, OUT, SCALE, stride_xb, stride_xh, stride_xt, H, n, front, n_rows, STRIDE: tl.constexpr,
+                     D: tl.constexpr, D_OUT: tl.constexpr, D_P2: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS reshaped rows of one head of X as reference.fp8_rows rounds them: e4m3 values into OUT
+    ``[B, H, n_rows * STRIDE, D_OUT]`` (zeros past D) and each row's scale into SCALE ``[B, H, n_rows]``."""
+    pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    t = r[:, None, None] * STRIDE + tl.arange(0, STRIDE)[None, :, None]  # padded token
+    d = tl.arange(0, D_P2)[None, None, :]
+    src = t - front
+    x = tl.load(X + (bh // H) * stride_xb + (bh % H) * stride_xh + src.to(tl.int64) * stride_xt + d,
+                mask=(src >= 0) & (src < n) & (d < D), other=0.0).to(tl.float32)
+    scale = tl.max(tl.max(tl.abs(x), axis=2), axis=1) * (1.0 / FP8_MAX)  # as reference.fp8_rows computes it
+    scale = tl.where(scale > 0, scale, 1.0)
+    row_ok = r < n_rows
+    e4m3 = _e4m3_grid(tl.div_rn(x, scale[:, None, None])).to(tl.float8e4nv)
+    tl.store(OUT + (bh * n_rows * STRIDE + t) * D_OUT + d, e4m3, mask=row_ok[:, None, None] & (d < D_OUT))
+    tl.store(SCALE + bh * n_rows + r, scale, mask=row_ok)
+
+
+def _fp8_tokens(x, front, stride):
+    """``(tokens, scales)``: x ``[B, heads, n, D]`` laid out as _tma_tokens lays it out (head padded to 32
+    channels, an e4m3 GEMM step) in float8_e4m3fn, and the float32 scale of each reshaped row ``[B, heads,
+    rows]`` (reference.fp8_rows)."""
+    b, h, n, d = x.shape
+    n_rows = triton.cdiv(front + n, stride)
+    d_pad = triton.cdiv(d, 32) * 32
+    out = torch.empty(b, h, n_rows * stride, d_pad, device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(b, h, n_rows, device=x.device, dtype=torch.float32)
+    rows = triton.next_power_of_2(max(1, 4096 // (stride * d_pad)) + 1) // 2  # ~4K elements a program
+    _fp8_rows_kernel[(triton.cdiv(n_rows, rows), b * h)](
+        x, out, scales, *x.stride()[:3], h, n, front, n_rows, STRIDE=stride, D=d, D_OUT=d_pad,
+        D_P2=triton.next_power_of_2(d_pad), ROWS=rows)
+    return out, scales
 
 
 def _tma_operand(x):
@@ -347,9 +418,9 @@ def _strided_desc(x, stride, rows, block_k):
                             [1, 1, rows, block_k])
 
 
-def _block_k(d):
-    """Head-dim chunk of one GEMM step: the largest power of two dividing d (a multiple of 16), at most 64."""
-    return min(64, d & -d)
+def _block_k(d, most=64):
+    """Head-dim chunk of one GEMM step: the largest power of two dividing d (a multiple of 16), at most `most`."""
+    return min(most, d & -d)
 
 
 def _pow2(n):

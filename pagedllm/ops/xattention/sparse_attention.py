@@ -262,7 +262,7 @@ def _scales(k_scale, v_scale, device):
 
 
 def _prefill_masks(query, key_cache, block_tables, plan, kv_cache_dtype, k_scale, threshold, stride, block_size,
-                   share_kv_heads):
+                   share_kv_heads, fp8_estimate):
     """bool [P, H, q_blocks, k_blocks]: each sequence's estimated mask of its new tokens against its whole
     context (K gathered from the cache), zero-padded to the largest shape."""
     layouts = [ref.block_layout(q_len, seq_len, block_size) for _, _, q_len, seq_len in plan]
@@ -274,21 +274,23 @@ def _prefill_masks(query, key_cache, block_tables, plan, kv_cache_dtype, k_scale
         k = ref.gather_sequence(key_cache, block_tables[seq], seq_len, kv_cache_dtype, k_scale, query.dtype,
                                 True)
         q = query[q0:q0 + q_len].transpose(0, 1)[None]  # [1, H, q_len, D] view
-        mask = xattn_estimate(q, k[None], block_size, stride, threshold, share_kv_heads=share_kv_heads)[0][0]
+        mask = xattn_estimate(q, k[None], block_size, stride, threshold, share_kv_heads=share_kv_heads,
+                              fp8_estimate=fp8_estimate)[0][0]
         masks[i, :, :mask.shape[1], :mask.shape[2]] = mask
     return masks
 
 
 def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                              query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
-                             k_scale, v_scale, threshold=0.9, stride=8, block_size=128, share_kv_heads=False):
+                             k_scale, v_scale, threshold=0.9, stride=8, block_size=128, share_kv_heads=False,
+                             fp8_estimate=False):
     plan = ref.prefill_plan(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                             query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype)
     if not plan:
         return
     _check_block_size(block_size)
     masks = _prefill_masks(query, as_vllm_layout(key_cache, value_cache)[0], block_tables, plan, kv_cache_dtype,
-                           k_scale, threshold, stride, block_size, share_kv_heads)
+                           k_scale, threshold, stride, block_size, share_kv_heads, fp8_estimate)
     fp8 = _FP8[kv_cache_dtype]
     kc = key_cache.view(torch.uint8) if fp8 and key_cache.dtype != torch.uint8 else key_cache
     vc = value_cache.view(torch.uint8) if fp8 and value_cache.dtype != torch.uint8 else value_cache
