@@ -28,8 +28,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 HEAD = 128  # the Qwen3 / Llama head every config below was tuned for
 
 
-def _desc(*block):
-    return f"tensordesc<bf16[{', '.join(map(str, block))}]>"
+def _desc(*block, elem="bf16"):
+    return f"tensordesc<{elem}[{', '.join(map(str, block))}]>"
 
 
 def _sparse(paged):
@@ -44,12 +44,14 @@ def _sparse(paged):
     return sparse_attention._sparse_attn_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
 
 
-def _estimate(stride):
+def _estimate(stride, fp8=False):
     cfg = estimate.GPU_CONFIG
-    types = dict(q_desc=_desc(1, 1, cfg["block_m"], cfg["block_k"]), k_desc=_desc(1, 1, cfg["block_n"], cfg["block_k"]),
+    block_k, elem = (2 * cfg["block_k"], "fp8e4nv") if fp8 else (cfg["block_k"], "bf16")
+    types = dict(q_desc=_desc(1, 1, cfg["block_m"], block_k, elem=elem),
+                 k_desc=_desc(1, 1, cfg["block_n"], block_k, elem=elem), Q_SCALE="*fp32", K_SCALE="*fp32",
                  PART="*fp32", TMAX="*fp32", OUT="*fp32", scale="fp32")
     consts = dict(STRIDE=stride, RBS=128 // stride, HEAD=HEAD, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-                  BLOCK_K=cfg["block_k"], CAUSAL=True, DOT_PREC="tf32")
+                  BLOCK_K=block_k, CAUSAL=True, DOT_PREC="tf32", FP8=fp8)
     return estimate._estimate_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
 
 
@@ -115,6 +117,8 @@ KERNELS = {
     "xattention_sparse_paged": lambda: _sparse(True),
     "xattention_estimate_s8": lambda: _estimate(8),
     "xattention_estimate_s16": lambda: _estimate(16),
+    "xattention_estimate_fp8_s8": lambda: _estimate(8, fp8=True),
+    "xattention_estimate_fp8_s16": lambda: _estimate(16, fp8=True),
     "prefill_short": lambda: _prefill(1024),
     "prefill_long": lambda: _prefill(16384),
     "decode_single_pass": lambda: _decode(False),

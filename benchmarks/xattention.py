@@ -4,7 +4,7 @@
     estimation (block selection included) and sparse-attention times at threshold 0.9, and the density it
     chose; --selections per-head per-kv-head also times the selection shared by a kv head's query heads
     (share_kv_heads), here and in (c). Random Q/K attend almost uniformly, so that density says nothing about
-    real prompts.
+    real prompts. --fp8-estimate: every estimate (here and in (c)) scores fp8 Q and K (``fp8_estimate``).
 (b) The sparse attention alone at fixed densities (random masks that keep the sink and the diagonal), same
     shapes, so the speed-up can be read off at the density a real model produces. --head-masks picks how the
     query heads' masks relate: drawn per query head ("independent", the default) or per kv head and shared
@@ -102,8 +102,9 @@ def kv_bytes(mask):
     return mask.sum().item() * BLOCK * HEAD_DIM * 2 * 2
 
 
-def random_data_rows(lengths, strides, selections, densities, head_masks, sections, reps, device, dtype):
-    """Rows of sections (a) and (b) on random Q/K/V of the 32/8-head, head-128 shape."""
+def random_data_rows(estimate, lengths, strides, selections, densities, head_masks, sections, reps, device, dtype):
+    """Rows of sections (a) and (b) on random Q/K/V of the 32/8-head, head-128 shape; ``estimate`` is
+    xattn_estimate with the run's options."""
     rows_a, rows_b = [], []
     for n in lengths:
         q = torch.randn(1, HEADS, n, HEAD_DIM, device=device, dtype=dtype)
@@ -115,9 +116,8 @@ def random_data_rows(lengths, strides, selections, densities, head_masks, sectio
         # (b) adds each stride's estimate time, so (a) runs whenever (b) does
         est_ms = {}
         for stride, share in ((st, sh) for st in strides for sh in selections):
-            mask, density = xa.xattn_estimate(q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share)
-            est = bench_ms(lambda: xa.xattn_estimate(q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share),
-                           reps(n), device)
+            mask, density = estimate(q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share)
+            est = bench_ms(lambda: estimate(q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share), reps(n), device)
             est_ms.setdefault(stride, est)  # (b) adds the first selection's
             sparse = bench_ms(lambda: xa.block_sparse_attention(q, k, v, mask, BLOCK), reps(n), device)
             rows_a.append(dict(seq_len=n, stride=stride, share_kv_heads=share, dense_ms=dense, estimate_ms=est,
@@ -138,7 +138,7 @@ def random_data_rows(lengths, strides, selections, densities, head_masks, sectio
     return rows_a, rows_b
 
 
-def real_data_rows(lengths, strides, selections, thresholds, max_layers, reps, device, dtype):
+def real_data_rows(estimate, lengths, strides, selections, thresholds, max_layers, reps, device, dtype):
     """Section (c): ``(shape, rows)``, one row per (length, stride, threshold), times summed over layers."""
     model, _, ids = load_text_model(dtype, device)
     rows, shape = [], None
@@ -153,9 +153,9 @@ def real_data_rows(lengths, strides, selections, thresholds, max_layers, reps, d
         dense = bench_ms(lambda: [F.scaled_dot_product_attention(*x, is_causal=True) for x in rep], reps(n), device)
         for stride, share in ((st, sh) for st in strides for sh in selections):
             for thr in thresholds:
-                picks = [xa.xattn_estimate(q, k, BLOCK, stride, thr, share_kv_heads=share) for q, k, _ in qkv]
-                est = bench_ms(lambda: [xa.xattn_estimate(q, k, BLOCK, stride, thr, share_kv_heads=share)
-                                        for q, k, _ in qkv], reps(n), device)
+                picks = [estimate(q, k, BLOCK, stride, thr, share_kv_heads=share) for q, k, _ in qkv]
+                est = bench_ms(lambda: [estimate(q, k, BLOCK, stride, thr, share_kv_heads=share) for q, k, _ in qkv],
+                               reps(n), device)
                 sparse = bench_ms(lambda: [xa.block_sparse_attention(q, k, v, mask, BLOCK)
                                            for (q, k, v), (mask, _) in zip(qkv, picks)], reps(n), device)
                 # every layer has the same heads and blocks, so the overall density is the layers' mean
@@ -170,10 +170,10 @@ def real_data_rows(lengths, strides, selections, thresholds, max_layers, reps, d
     return shape, rows
 
 
-def print_random_tables(rows_a, rows_b, strides, device_name, dtype):
+def print_random_tables(rows_a, rows_b, strides, device_name, dtype, estimate_name):
     if rows_a:
         print(f"\n## (a) XAttention vs dense causal SDPA ({device_name}, {HEADS}/{KV_HEADS} heads, head "
-              f"{HEAD_DIM}, {dtype}, block {BLOCK}, threshold {THRESHOLD}, random data)\n")
+              f"{HEAD_DIM}, {dtype}, block {BLOCK}, threshold {THRESHOLD}, {estimate_name}, random data)\n")
         print("| seq len | stride | selection | dense SDPA ms | estimate ms | sparse attn ms | density | speedup |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows_a:
@@ -191,13 +191,13 @@ def print_random_tables(rows_a, rows_b, strides, device_name, dtype):
                   + " | ".join(f"{x:.2f}x" for x in r["speedup_with_estimate"].values()) + " |")
 
 
-def print_real_tables(shape, rows_c, rows_b, device_name, dtype):
+def print_real_tables(shape, rows_c, rows_b, device_name, dtype, estimate_name):
     lengths = sorted({r["seq_len"] for r in rows_c})
     configs = list(dict.fromkeys((r["stride"], r["share_kv_heads"], r["threshold"]) for r in rows_c))
     by_key = {(r["seq_len"], r["stride"], r["share_kv_heads"], r["threshold"]): r for r in rows_c}
     print(f"\n## (c) Real data: {MODEL} ({shape['heads']} query / {shape['kv_heads']} kv heads, head "
-          f"{shape['head_dim']}, {shape['layers']} layers; {device_name}, {dtype}, block {BLOCK}); times summed "
-          f"over the layers\n\nText: {TEXT_SOURCE}, the first N tokens.\n")
+          f"{shape['head_dim']}, {shape['layers']} layers; {device_name}, {dtype}, block {BLOCK}, "
+          f"{estimate_name}); times summed over the layers\n\nText: {TEXT_SOURCE}, the first N tokens.\n")
     print("| seq len | stride | selection | threshold | density | dense SDPA ms | estimate ms | sparse attn ms | "
           "speedup |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -252,6 +252,7 @@ def main():
     parser.add_argument("--selections", nargs="+", choices=list(SELECTION.values()), default=[SELECTION[False]],
                         help="(a), (c): XAttention's block selection per query head (the seed's) or one per kv "
                              "head (share_kv_heads)")
+    parser.add_argument("--fp8-estimate", action="store_true", help="(a), (c): estimates score fp8 Q and K")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3, 0.5], help="(b)")
     parser.add_argument("--head-masks", nargs="+", choices=["independent", "group"], default=["independent"],
                         help="(b): a mask per query head, or one per kv head shared by its query heads")
@@ -272,21 +273,23 @@ def main():
         lengths, text_lengths, max_layers = args.lengths or LENGTHS, args.text_lengths or TEXT_LENGTHS, None
     reps = functools.partial(repetitions, smoke=args.cpu_smoke)
     selections = [name == SELECTION[True] for name in args.selections]
+    estimate = functools.partial(xa.xattn_estimate, fp8_estimate=args.fp8_estimate)
+    estimate_name = "fp8 estimate" if args.fp8_estimate else f"{dtype} estimate"
     torch.manual_seed(0)
 
     rows_a, rows_b, shape, rows_c = [], [], None, []
     if "a" in args.sections or "b" in args.sections:
-        rows_a, rows_b = random_data_rows(lengths, args.strides, selections, args.densities, args.head_masks,
+        rows_a, rows_b = random_data_rows(estimate, lengths, args.strides, selections, args.densities, args.head_masks,
                                           args.sections, reps, device, dtype)
         print(f"random data done ({time.time() - start:.0f} s)", flush=True)
     if "c" in args.sections:
-        shape, rows_c = real_data_rows(text_lengths, args.strides, selections, args.thresholds, max_layers, reps,
-                                       device, dtype)
+        shape, rows_c = real_data_rows(estimate, text_lengths, args.strides, selections, args.thresholds, max_layers,
+                                       reps, device, dtype)
         print(f"real data done ({time.time() - start:.0f} s)", flush=True)
 
-    print_random_tables(rows_a, rows_b, args.strides, device_name, dtype)
+    print_random_tables(rows_a, rows_b, args.strides, device_name, dtype, estimate_name)
     if rows_c:
-        print_real_tables(shape, rows_c, rows_b, device_name, dtype)
+        print_real_tables(shape, rows_c, rows_b, device_name, dtype, estimate_name)
 
     try:
         import triton
@@ -298,7 +301,7 @@ def main():
     with open(out, "w") as f:
         json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name,
                        torch=torch.__version__, triton=triton_version, dtype=str(dtype), block_size=BLOCK,
-                       cpu_smoke=args.cpu_smoke, wall_s=round(time.time() - start),
+                       cpu_smoke=args.cpu_smoke, fp8_estimate=args.fp8_estimate, wall_s=round(time.time() - start),
                        random=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, threshold=THRESHOLD,
                                    estimate=rows_a, fixed_density=rows_b),
                        real=dict(model=MODEL, text=TEXT_SOURCE, **(shape or {}), rows=rows_c)), f, indent=1)

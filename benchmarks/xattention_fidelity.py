@@ -14,6 +14,7 @@ Text: the Python language reference topics shipped with the standard library (``
    sentence at several depths of a ``--haystack`` token prefix of the text, asked for through the chat
    template and generated greedily by the dense engine and by the engine with ``sparse_prefill="xattention"``.
 ``--share-kv-heads``: every selection shared by a kv head's query heads (``xattn_share_kv_heads``).
+``--fp8-estimate``: every estimate scores fp8 Q and K (``xattn_fp8_estimate``).
 Writes JSON and a markdown table (printed too).
 
     PYTHONPATH=. .venv/bin/python benchmarks/xattention_fidelity.py [--length 8192] [--haystack 7500]
@@ -106,7 +107,7 @@ def captured_qkv(model):
             h.remove()
 
 
-def layer_stats(qkv, strides, thresholds, error_strides, share_kv_heads):
+def layer_stats(qkv, strides, thresholds, error_strides, share_kv_heads, fp8_estimate):
     """Per layer: XAttention density for each (stride, threshold) and, for the error_strides, the
     block-sparse output's error (the reference sparse attention is ~10 s per call at 8K on 2 cores)."""
     rows = []
@@ -115,7 +116,7 @@ def layer_stats(qkv, strides, thresholds, error_strides, share_kv_heads):
         row = dict(layer=layer)
         for stride in strides:
             # xattn_estimate is block_sums + select_blocks; the sums are shared by the thresholds
-            sums, first = ref.block_sums(q, k, BLOCK, stride, 16384, True)
+            sums, first = ref.block_sums(q, k, BLOCK, stride, 16384, True, fp8_estimate)
             if share_kv_heads:
                 sums = ref.kv_head_sums(sums, k.shape[1])
             for thr in thresholds:
@@ -198,10 +199,13 @@ def markdown(result) -> str:
     names = [f"stride {s}, thr {t}" for s in result["strides"] for t in thresholds]
     err_keys = [f"s{s}_t{t}" for s in result["error_strides"] for t in thresholds]
     err_names = [f"stride {s}, thr {t}" for s in result["error_strides"] for t in thresholds]
-    shared = result["engine_sparse_prefill"].get("share_kv_heads", False)  # results before it had the option
+    # results from before the options lack them
+    shared = result["engine_sparse_prefill"].get("share_kv_heads", False)
+    fp8 = result["engine_sparse_prefill"].get("fp8_estimate", False)
     lines = [f"## XAttention on real text: SmolLM2-135M-Instruct, float32, CPU ({result['date']})", "",
              f"Text: {result['text']}; {result['length']} tokens; block {BLOCK}; selection "
-             f"{'shared by each kv head' if shared else 'per query head'}.", "",
+             f"{'shared by each kv head' if shared else 'per query head'}; estimate on "
+             f"{'fp8' if fp8 else 'float32'} Q and K.", "",
              "### Density (kept fraction of causal blocks) and attention-output relative error, per layer", "",
              "| layer | " + " | ".join(f"density {n}" for n in names) + " | "
              + " | ".join(f"rel err {n}" for n in err_names) + " |",
@@ -244,9 +248,10 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--share-kv-heads", action="store_true",
                         help="one selection per kv head, from its query heads' block sums added together")
+    parser.add_argument("--fp8-estimate", action="store_true", help="estimates score fp8 Q and K")
     parser.add_argument("--out", default=None, help="JSON path (the .md goes beside it)")
     args = parser.parse_args()
-    sparse = dataclasses.replace(ENGINE_SPARSE, share_kv_heads=args.share_kv_heads)
+    sparse = dataclasses.replace(ENGINE_SPARSE, share_kv_heads=args.share_kv_heads, fp8_estimate=args.fp8_estimate)
     start = time.time()
     model, tokenizer, ids = load_text_model(torch.float32, "cpu")
     ids = ids[:args.length]
@@ -254,7 +259,8 @@ def main():
     with captured_qkv(model) as qkv:
         dense_hidden = prefill_hidden(model, ids, None)
     print(f"dense prefill done ({time.time() - start:.0f} s)", flush=True)
-    layers = layer_stats(qkv, args.strides, args.thresholds, args.error_strides, args.share_kv_heads)
+    layers = layer_stats(qkv, args.strides, args.thresholds, args.error_strides, args.share_kv_heads,
+                         args.fp8_estimate)
     del qkv
     layer_mean = {k: sum(r[k] for r in layers) / len(layers) for k in layers[0] if k != "layer"}
     sparse_hidden = prefill_hidden(model, ids, sparse)
