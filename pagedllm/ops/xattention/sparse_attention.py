@@ -10,8 +10,8 @@ query heads index their kv head, so GQA never copies K/V.
 
 A small kernel first turns each mask row into its list of visible selected key blocks. Work is described
 by "items" (one per query block of a sequence), listed heaviest (latest block) first so the long causal
-rows start early; the head is the fastest grid index, so the query heads sharing a kv head run side by side
-and share its K/V through L2.
+rows start early. The grid runs one kv head after another (its query heads side by side), so the blocks the
+running programs read are one kv head's and come from the L2 after their first read.
 """
 import math
 
@@ -121,9 +121,12 @@ def _sparse_attn_kernel(
     HEAD_PAD: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
     FP8: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    h = pid % H
-    tile = pid // H
+    # kv head slowest, its query heads fastest: the programs running at once read one kv head's K/V (32 MB at
+    # 64K tokens), which the L2 then holds for every query block that selects a block of it
+    per_kv = tl.num_programs(0) // H * GROUP
+    kvh = tl.program_id(0) // per_kv
+    tile = tl.program_id(0) % per_kv // GROUP
+    h = kvh * GROUP + tl.program_id(0) % GROUP
     M_TILES: tl.constexpr = BLOCK_SIZE // BLOCK_M
     item = tile // M_TILES
     p = tl.load(ITEM_P + item)  # which mask (sequence) and which of its query blocks
@@ -141,7 +144,6 @@ def _sparse_attn_kernel(
     q_row = (tl.load(P_QROW + p) + q0 - q_start).to(tl.int32)
     q = Q.load([q_batch, h, q_row, 0]).reshape(BLOCK_M, HEAD_PAD)
 
-    kvh = h // GROUP
     bt_row = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     qk_scale = qk_scale * tl.load(SCALES)
     idx = KV_IDX + p.to(tl.int64) * stride_ip + h * stride_ih + j.to(tl.int64) * stride_iq
