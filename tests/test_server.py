@@ -236,6 +236,10 @@ def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, clien
     status, out = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3.0, "temperature": 2.5,
                                                    "ignore_eos": True, "best_of": 1, "seed": -1, **unknown})
     assert status == 200 and out["usage"]["completion_tokens"] == 3, out
+    # integral floats count as ints wherever ids go too (clients without an integer type send 3.0)
+    status, out = post(server, "/v1/completions", {"prompt": [5.0, 6, 7.0], "max_tokens": 2, "stop_token_ids": [1.0]})
+    assert status == 200 and out["usage"]["prompt_tokens"] == 3, out
+    assert post(server, "/detokenize", {"tokens": [5.0, 6]}) == post(server, "/detokenize", {"tokens": [5, 6]})
     status, out = post(server, "/v1/completions", {"prompt": "hi", **nulls, "max_tokens": None, "logprobs": None,
                                                    "echo": None})
     assert status == 200 and out["usage"]["completion_tokens"] == 16, out
@@ -336,6 +340,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 4}, 400),  # no prompt
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400),  # out of range
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3.5}, 400),  # not integral
+    ("/v1/completions", {"prompt": [5, 6.5]}, 400),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1.5]}, 400),
     ("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 2}, 400),  # best_of > n is not implemented
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400),  # not a token id

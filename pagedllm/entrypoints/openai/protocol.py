@@ -73,7 +73,7 @@ class _SamplingRequest(Strict):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     min_tokens: Int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI's: token ids as JSON object keys (strings)
@@ -120,7 +120,7 @@ class _SamplingRequest(Strict):
 
 # ---- /v1/completions ------------------------------------------------------------------------------------
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: Int | None = Field(None, ge=0)
@@ -312,7 +312,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 class DetokenizeResponse(BaseModel):
