@@ -32,15 +32,14 @@ def _desc(*block, elem="bf16"):
     return f"tensordesc<{elem}[{', '.join(map(str, block))}]>"
 
 
-def _sparse(paged):
-    cfg = sparse_attention.GPU_CONFIG["paged" if paged else "dense"]
-    kv = "*bf16" if paged else _desc(1, 1, cfg["block_n"], HEAD)
-    types = dict(Q=_desc(1, 1, cfg["block_m"], HEAD), O="*bf16", K=kv, V=kv, BLOCK_TABLES="*i32", SCALES="*fp32",
-                 ITEM_P="*i32", ITEM_J="*i32", P_SEQ="*i64", P_QSTART="*i64", P_LEN="*i64", P_QROW="*i64",
-                 P_OOFF="*i64", KV_IDX="*i32", KV_CNT="*i32", qk_scale="fp32")
+def _sparse():
+    cfg = sparse_attention.GPU_CONFIG
+    kv = _desc(1, 1, cfg["block_n"], HEAD)
+    types = dict(Q=_desc(1, 1, cfg["block_m"], HEAD), O="*bf16", K=kv, V=kv, ITEM_P="*i32", ITEM_J="*i32",
+                 P_SEQ="*i64", P_QSTART="*i64", P_LEN="*i64", P_QROW="*i64", P_OOFF="*i64", KV_IDX="*i32",
+                 KV_CNT="*i32", qk_scale="fp32")
     consts = dict(BLOCK_SIZE=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD=HEAD, HEAD_PAD=HEAD,
-                  PAGED=paged, PAGE=16 if paged else 1, X=8 if paged else 1, LAYOUT=1 if paged else 0, FP8=0,
-                  CAUSAL=True, DOT_PREC="tf32")
+                  BATCHED_Q=False, CAUSAL=True, DOT_PREC="tf32")
     return sparse_attention._sparse_attn_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
 
 
@@ -113,8 +112,7 @@ def _decoder_layer():
 
 # name -> kernel spec at its GPU launch config (bf16, head 128, Qwen3-0.6B's 2 query heads per kv head)
 KERNELS = {
-    "xattention_sparse_dense": lambda: _sparse(False),
-    "xattention_sparse_paged": lambda: _sparse(True),
+    "xattention_sparse": _sparse,
     "xattention_estimate_s8": lambda: _estimate(8),
     "xattention_estimate_s16": lambda: _estimate(16),
     "xattention_estimate_fp8_s8": lambda: _estimate(8, fp8=True),

@@ -159,6 +159,30 @@ def test_reshape_and_cache_matches_reference(kv_cache_dtype, dtype, head_size, b
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
+@pytest.mark.parametrize("kv_cache_dtype,dtype,head_size,block_size",
+                         [("auto", torch.float16, 64, 16), ("auto", torch.float32, 80, 8),
+                          ("fp8_e4m3", torch.float16, 80, 16), ("fp8_e5m2", torch.float32, 64, 8)])
+def test_gather_cache_reads_back_a_sequence(kv_cache_dtype, dtype, head_size, block_size, layout):
+    """A sequence's K/V out of shuffled pages, dequantized, zeros past its end: the XAttention reference's gather."""
+    from pagedllm.ops.triton.cache import gather_cache
+    from pagedllm.ops.xattention.reference import gather_sequence
+    gen = torch.Generator().manual_seed(head_size)
+    num_kv_heads, num_blocks, seq_len, length = 2, 9, 5 * block_size - 3, 6 * block_size + 1
+    kshape, vshape, cdtype = reference.kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_size, dtype,
+                                                       kv_cache_dtype, layout)
+    kc, vc = (torch.randint(0, 100, shape, generator=gen).to(cdtype) for shape in (kshape, vshape))
+    table = torch.randperm(num_blocks, generator=gen)[:6].to(torch.int32)
+    scales = (0.5, 0.25) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    k_out, v_out = (torch.full((num_kv_heads, length, head_size), float("nan"), dtype=dtype) for _ in range(2))
+    gather_cache(kc, vc, table, seq_len, k_out, v_out, kv_cache_dtype, *scales)
+    vk, vv = reference.as_vllm_layout(kc, vc)
+    for out, cache, scale, is_key in ((k_out, vk, scales[0], True), (v_out, vv, scales[1], False)):
+        want = gather_sequence(cache, table, seq_len, kv_cache_dtype, scale, dtype, is_key)
+        assert torch.equal(out[:, :seq_len], want)
+        assert not out[:, seq_len:].any()
+
+
 # (seed, [(context, new tokens)], heads, kv_heads, head_size, block_size, dtype, kv_cache_dtype, alibi)
 PREFILL_CASES = [
     (0, [(0, 37), (0, 1), (0, 16)], 4, 4, 64, 16, torch.float32, "auto", False),  # plain prefill
