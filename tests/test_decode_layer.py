@@ -126,6 +126,19 @@ def test_projections_streamed_in_slices(tmp_path, monkeypatch, arch):
     _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float16, 2e-2, 300)
 
 
+def test_the_engine_declines_the_kernel_where_shares_stream(tmp_path, monkeypatch):
+    """Shapes whose weight shares would stream in slices (Llama 3 8B's) keep the layers' path, which is faster
+    there; shapes whose shares are requested whole (Qwen3-0.6B's) take the kernel."""
+    from pagedllm.ops.triton import decode_layer
+    assert not decode_layer.DecoderLayerKernel.streams_weights(1024, 3072, 16, 8, 128, torch.bfloat16)
+    assert decode_layer.DecoderLayerKernel.streams_weights(4096, 14336, 32, 8, 128, torch.bfloat16)
+    model = _model(tmp_path, "qwen3", torch.float16)
+    assert isinstance(fused_decode._build(model.model, torch.device("cpu"), "triton"), fused_decode.FusedDecode)
+    monkeypatch.setattr(decode_layer, "SLICE_BYTES", 512)  # the 128 programs' qkv shares (1 KB) now stream
+    monkeypatch.setattr(decode_layer, "STEP_BYTES", 256)
+    assert fused_decode._build(model.model, torch.device("cpu"), "triton") is None
+
+
 def test_shares_split_into_two_power_of_two_slices():
     """A share of rows that is no power of two is a power-of-two slice and a power-of-two rest, so the rows spread
     evenly over the programs (Qwen3-0.6B's gate_up: 24 rows each on 128 programs, not 32 on 96)."""

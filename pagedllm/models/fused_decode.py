@@ -3,7 +3,8 @@ path: by default the Triton decoder-layer kernel (pagedllm.ops.triton.decode_lay
 instead of ~9 kernels).
 
 LlamaModel.forward asks `fused_decode` on every forward pass; it answers only for a decode-only step of one
-token (the forward context says so) whose layers the kernel covers, so everything else (prefills, batches,
+token (the forward context says so) whose layers the kernel covers with weight shares it requests whole (where
+they would stream in slices, as Llama 3 8B's do, the layers are faster), so everything else (prefills, batches,
 fp8 caches, ALiBi, biases outside q/k/v) keeps the layers' own path. PAGEDLLM_DECODE_LAYER: 0 turns it off
 (the layers' fused path then runs those steps, as before); "persistent" runs each layer as one launch with
 grid barriers (decode_layer says why that is not the default); "cuda" runs the whole model as one CUDA launch
@@ -87,7 +88,9 @@ def _build(model, device: torch.device, mode: str) -> FusedDecode | CudaDecode |
     if mode == "cuda":
         return _build_cuda(model, device, shape)
     from pagedllm.ops.triton.decode_layer import DecoderLayerKernel, default_programs
-    if DecoderLayerKernel.unsupported(*shape, default_programs(device)) is not None:
+    programs = default_programs(device)
+    if (DecoderLayerKernel.unsupported(*shape, programs) is not None
+            or DecoderLayerKernel.streams_weights(*shape, programs)):
         return None
     return FusedDecode(model, DecoderLayerKernel(*shape, device, persistent=mode == "persistent"))
 

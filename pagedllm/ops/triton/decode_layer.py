@@ -520,6 +520,17 @@ def _gemv_plan(n_rows: int, k: int, pairs: int, num_programs: int, itemsize: int
     return rpp, share // rpp, 0
 
 
+def _plans(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_size: int,
+           itemsize: int, num_programs: int) -> tuple[int, ...]:
+    """The _gemv_plan of qkv, o_proj (per kv head, over its partitions' programs), gate_up and down, flattened."""
+    q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
+    partitions = max(1, num_programs // num_kv_heads)
+    return (*_gemv_plan(q_width + 2 * kv_width, hidden_size, 1, num_programs, itemsize),
+            *_gemv_plan(hidden_size, q_width // num_kv_heads, 1, partitions, itemsize),
+            *_gemv_plan(intermediate_size, hidden_size, 2, num_programs, itemsize),
+            *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
+
+
 def default_programs(device: torch.device) -> int:
     """One program per SM, a power of two (even shares of power-of-two shapes), at most MAX_PROGRAMS."""
     return min(MAX_PROGRAMS, 1 << (_host.num_sms(device).bit_length() - 1))
@@ -549,10 +560,8 @@ class DecoderLayerKernel:
         self.launch_programs[1] = num_kv_heads * (self.partitions + 1)
         q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
         itemsize = dtype.itemsize
-        self.plans = plans = (*_gemv_plan(q_width + 2 * kv_width, hidden_size, 1, num_programs, itemsize),
-                              *_gemv_plan(hidden_size, q_width // num_kv_heads, 1, self.partitions, itemsize),
-                              *_gemv_plan(intermediate_size, hidden_size, 2, num_programs, itemsize),
-                              *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
+        self.plans = plans = _plans(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, itemsize,
+                                    num_programs)
         rpp, steps, rpp2 = plans[6:9]
         share = (rpp * steps + rpp2) * 2 * triton.next_power_of_2(hidden_size) * itemsize
         self.gate_up_fits = steps == 1 and share <= (GATE_UP_REGISTERS - 24) * 4 * NUM_WARPS * 32
@@ -590,6 +599,16 @@ class DecoderLayerKernel:
             if k % 16:
                 return f"{name} {k} (a multiple of 16)"
         return None
+
+    @staticmethod
+    def streams_weights(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype,
+                        num_programs: int = MAX_PROGRAMS) -> bool:
+        """Whether some projection's share of a program is too large to request whole before its phase, so that
+        it streams in slices: then the layers' own kernels are faster (Llama 3 8B's shape, batch 1 on the H100:
+        6.99 ms a step against 6.22; results README), and the engine does not take this kernel."""
+        plans = _plans(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype.itemsize,
+                       num_programs)
+        return any(steps > 1 for steps in plans[1::3])
 
     def _launch_configs(self, long: bool, many_keys: bool, nvidia: bool) -> list[tuple[int, dict]]:
         """(warps, register cap) of each phase's launch, the fastest measured on the H100 (the constants say where):
