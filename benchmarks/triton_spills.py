@@ -36,10 +36,10 @@ def _sparse():
     cfg = sparse_attention.GPU_CONFIG
     kv = _desc(1, 1, cfg["block_n"], HEAD)
     types = dict(Q=_desc(1, 1, cfg["block_m"], HEAD), O="*bf16", K=kv, V=kv, ITEM_P="*i32", ITEM_J="*i32",
-                 P_SEQ="*i64", P_QSTART="*i64", P_LEN="*i64", P_QROW="*i64", P_OOFF="*i64", KV_IDX="*i32",
+                 P_SEQ="*i64", P_QSTART="*i64", P_LEN="*i64", P_OOFF="*i64", KV_IDX="*i32",
                  KV_CNT="*i32", qk_scale="fp32")
     consts = dict(BLOCK_SIZE=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD=HEAD, HEAD_PAD=HEAD,
-                  BATCHED_Q=False, CAUSAL=True, DOT_PREC="tf32")
+                  CAUSAL=True, DOT_PREC="tf32")
     return sparse_attention._sparse_attn_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
 
 

@@ -18,6 +18,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, greedy_tokens
+from pagedllm.ops.xattention import prefill_workspace_bytes
 from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views
 from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs
 
@@ -108,6 +109,11 @@ class ModelRunner:
             q_width = hf.num_attention_heads * self.head_size
             activations = (((cfg.max_num_batched_tokens + graph_tokens) * width + 2 * graph_tokens * q_width)
                            * self.dtype.itemsize + 3 * cfg.max_num_seqs * hf.vocab_size * 4)
+            if self.sparse_prefill is not None and cfg.max_model_len >= cfg.xattn_min_prompt_len:
+                # a layer's sparse prefill of a chunk against a whole max_model_len context
+                activations += prefill_workspace_bytes(
+                    cfg.max_model_len, min(cfg.max_num_batched_tokens, cfg.max_model_len), hf.num_attention_heads,
+                    self.num_kv_heads, self.head_size, self.dtype.itemsize, cfg.xattn_block_size, cfg.xattn_stride)
             budget = total * cfg.gpu_memory_utilization - used - activations
         else:
             budget = self.config.cpu_kv_cache_space_gb * (1 << 30)

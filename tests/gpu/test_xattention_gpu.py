@@ -190,3 +190,21 @@ def test_paged_sparse_matches_dense_sparse(share_kv_heads, fp8_estimate):
             assert bool((group == group[:, :, :1]).all())
         want = ref.block_sparse_attention(q, k, v, mask)[0].transpose(0, 1)
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seqs,stride", [([(8192, 32768)], 8), ([(16384, 16384)], 16), ([(4096, 12000)] * 2, 8)])
+def test_paged_prefill_stays_within_its_workspace(seqs, stride):
+    """The engine reserves prefill_workspace_bytes for the longest sequence next to the activations; a call
+    holds no more (with fp8_estimate and share_kv_heads, the most copies), and several sequences one at a time."""
+    args = _paged(seqs, "fp8")
+    out = torch.empty_like(args[0])
+    xa.xattention_paged_prefill(out, *args, threshold=0.9, stride=stride, share_kv_heads=True, fp8_estimate=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    xa.xattention_paged_prefill(out, *args, threshold=0.9, stride=stride, share_kv_heads=True, fp8_estimate=True)
+    torch.cuda.synchronize()
+    held = torch.cuda.max_memory_allocated() - base
+    q_len, seq_len = max(seqs, key=lambda s: s[1])
+    bound = xa.prefill_workspace_bytes(seq_len, q_len, H, HKV, D, 2, 128, stride)
+    assert 0 < held <= bound, f"held {held} B, reserved {bound} B"

@@ -4,7 +4,7 @@ Public ops (semantics and block geometry in ``reference.py``):
 ``flat_group_gemm_fuse_reshape``, ``softmax_fuse_block_sum`` (the seed's two estimation stages),
 ``xattn_estimate`` (fused estimation + block selection), ``block_sparse_attention`` (dense K/V) and
 ``xattention_paged_prefill`` (``paged_prefill``'s arguments plus threshold/stride/block_size/share_kv_heads/
-fp8_estimate).
+fp8_estimate), and ``prefill_workspace_bytes``, the memory the engine reserves for the last.
 
 Backend per call, the same choice as every other op in ``pagedllm.ops``: the reference backend runs the
 PyTorch references, any other (Triton, CUDA) runs the Triton kernels; ``PAGEDLLM_OPS_BACKEND=triton`` runs
@@ -16,7 +16,7 @@ from pagedllm import ops as _ops
 from pagedllm.ops.xattention import reference
 
 __all__ = ["flat_group_gemm_fuse_reshape", "softmax_fuse_block_sum", "xattn_estimate", "block_sparse_attention",
-           "xattention_paged_prefill", "reference"]
+           "xattention_paged_prefill", "prefill_workspace_bytes", "reference"]
 
 
 def _use_triton(tensor) -> bool:
@@ -70,3 +70,16 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
     fn(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, query_start_loc,
        max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, threshold, stride,
        block_size, share_kv_heads, fp8_estimate)
+
+
+def prefill_workspace_bytes(seq_len: int, query_len: int, num_heads: int, num_kv_heads: int, head_size: int,
+                            itemsize: int, block_size: int = 128, stride: int = 8) -> int:
+    """An upper bound of the memory one GPU ``xattention_paged_prefill`` call holds at once besides its output,
+    for a sequence of ``seq_len`` tokens whose last ``query_len`` are new: the sequence's K and V gathered out of
+    the cache; the estimate's token-aligned and fp8 copies of Q and K (with a scale per reshaped row); its
+    per-row partial sums; and the block sums (twice more shared by kv heads), mask and key-block lists."""
+    q_blocks, k_blocks = -(-query_len // block_size) + 1, -(-seq_len // block_size) + 1
+    tokens = num_heads * query_len + num_kv_heads * seq_len
+    copies = 2 * num_kv_heads * seq_len * head_size * itemsize + tokens * (head_size * (itemsize + 1) + 4)
+    partials = num_heads * (q_blocks * (block_size // stride) + 256) * (k_blocks + 64) * 4
+    return copies + partials + num_heads * q_blocks * k_blocks * 17

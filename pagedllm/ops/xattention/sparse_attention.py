@@ -42,7 +42,7 @@ def _attend(q, m_i, l_i, acc, start, q0, seq, seq_len, K, V, kvh, qk_scale, BLOC
     """One BLOCK_N key tile of the online softmax for query rows q0.. (m_i in log2 units, s left unscaled).
     m_i starts at a finite -1e30 rather than -inf, so a row that sees nothing yet needs no guard. V is
     loaded after the softmax, so the K and V tiles are never live together (15% faster at 64K, 11% density)."""
-    k = K.load([seq.to(tl.int32), kvh, start, 0]).reshape(BLOCK_N, HEAD_PAD).T
+    k = K.load([seq, kvh, start, 0]).reshape(BLOCK_N, HEAD_PAD).T
     s = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -56,20 +56,20 @@ def _attend(q, m_i, l_i, acc, start, q0, seq, seq_len, K, V, kvh, qk_scale, BLOC
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = V.load([seq.to(tl.int32), kvh, start, 0]).reshape(BLOCK_N, HEAD_PAD)
+    v = V.load([seq, kvh, start, 0]).reshape(BLOCK_N, HEAD_PAD)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
 # Strides that follow each batch's mask shape: not specialised on, so a new batch does not compile a new
 # variant. Positions are int32 and per-row values are recomputed after the loops rather than kept live across
-# them: at 128 x 128 tiles every register counts (a live int64 row index made the kernel spill).
+# them: the kernel sits at the 255-register limit (a live int64 row index once made it spill).
 @triton.jit(do_not_specialize=["stride_ip", "stride_ih", "stride_iq", "stride_cp", "stride_ch"])
 def _sparse_attn_kernel(
-    Q, O, K, V, ITEM_P, ITEM_J, P_SEQ, P_QSTART, P_LEN, P_QROW, P_OOFF, KV_IDX, KV_CNT, stride_ot, stride_oh,
+    Q, O, K, V, ITEM_P, ITEM_J, P_SEQ, P_QSTART, P_LEN, P_OOFF, KV_IDX, KV_CNT, stride_ot, stride_oh,
     stride_ip, stride_ih, stride_iq, stride_cp, stride_ch, H, GROUP, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
-    HEAD_PAD: tl.constexpr, BATCHED_Q: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # kv head slowest, its query heads fastest: the programs running at once read one kv head's K/V (32 MB at
     # 64K tokens), which the L2 then holds for every query block that selects a block of it
@@ -81,19 +81,12 @@ def _sparse_attn_kernel(
     item = tile // M_TILES
     p = tl.load(ITEM_P + item)  # which mask (sequence) and which of its query blocks
     j = tl.load(ITEM_J + item)
-    seq = tl.load(P_SEQ + p)  # its K/V's batch index
+    seq = tl.load(P_SEQ + p).to(tl.int32)  # its batch index in Q and K/V
     q_start = tl.load(P_QSTART + p).to(tl.int32)
     seq_len = tl.load(P_LEN + p).to(tl.int32)
     q0 = (q_start // BLOCK_SIZE + j) * BLOCK_SIZE + (tile % M_TILES) * BLOCK_M  # first query row's position
-    # Q through its descriptor ([batch, heads, rows, D]: batched like K/V, or one batch of packed tokens
-    # found from each entry's query row): it stays in shared memory for the tensor cores instead of ~50
-    # registers.
-    if BATCHED_Q:
-        q_batch = seq.to(tl.int32)
-    else:
-        q_batch = 0
-    q_row = (tl.load(P_QROW + p) + q0 - q_start).to(tl.int32)
-    q = Q.load([q_batch, h, q_row, 0]).reshape(BLOCK_M, HEAD_PAD)
+    # Q through its descriptor: it stays in shared memory for the tensor cores instead of ~50 registers.
+    q = Q.load([seq, h, q0 - q_start, 0]).reshape(BLOCK_M, HEAD_PAD)
 
     idx = KV_IDX + p.to(tl.int64) * stride_ip + h * stride_ih + j.to(tl.int64) * stride_iq
     count = tl.load(KV_CNT + p * stride_cp + h * stride_ch + j)
@@ -142,12 +135,11 @@ def _compact_kernel(MASK, P_QSTART, IDX, CNT, stride_mp, stride_mh, stride_mq, s
     tl.store(CNT + p * stride_cp + h * stride_ch + j, tl.sum(keep.to(tl.int32), axis=0))
 
 
-def _launch(out, query, k, v, masks, plan, o_strides, group, scale, block_size, causal, batched_q):
+def _launch(out, query, k, v, masks, plan, o_strides, group, scale, block_size, causal):
     """Run the sparse kernel. ``query`` is ``[batch, heads, rows, D]`` (any strides TMA accepts), ``k`` / ``v``
-    ``[batch, kv heads, len, D]``; ``masks`` is bool [P, H, q_blocks, k_blocks], entry p zero-padded past its
-    own shape; ``plan`` lists per entry (batch, query start, seq len, query row, output element offset): the
-    queries are positions query start .. seq len - 1 of that K/V batch, found from the query row on (in the
-    same query batch if ``batched_q``, else in query batch 0)."""
+    ``[batch, kv heads, len, D]``; ``masks`` is bool [P, H, q_blocks, k_blocks]; ``plan`` lists per entry (batch,
+    query start, seq len, output element offset): query rows 0.. of that batch are positions query start ..
+    seq len - 1 of its K/V."""
     if not scale > 0:
         raise ValueError(f"scale must be positive (the kernel applies it after the row max), got {scale!r}")
     num_p, num_heads, q_blocks, k_blocks = masks.shape
@@ -160,8 +152,8 @@ def _launch(out, query, k, v, masks, plan, o_strides, group, scale, block_size, 
         m8, cols[1], idx, count, *m8.stride()[:3], *idx.stride()[:3], *count.stride()[:2], num_heads, k_blocks,
         BLOCK_SIZE=block_size, KB_PAD=_pow2(k_blocks), CAUSAL=causal)
     # one item per (entry, query block), heaviest (latest block) first
-    first = [q_start // block_size for _, q_start, _, _, _ in plan]
-    items = sorted(((p, j) for p, (_, _, seq_len, _, _) in enumerate(plan)
+    first = [q_start // block_size for _, q_start, _, _ in plan]
+    items = sorted(((p, j) for p, (_, _, seq_len, _) in enumerate(plan)
                     for j in range(-(-seq_len // block_size) - first[p])), key=lambda it: -(first[it[0]] + it[1]))
     item_p = torch.tensor([p for p, _ in items], dtype=torch.int32, device=dev)
     item_j = torch.tensor([j for _, j in items], dtype=torch.int32, device=dev)
@@ -175,7 +167,7 @@ def _launch(out, query, k, v, masks, plan, o_strides, group, scale, block_size, 
     _sparse_attn_kernel[grid](
         q_desc, out, k_desc, v_desc, item_p, item_j, *cols, idx, count, *o_strides, *idx.stride()[:3],
         *count.stride()[:2], num_heads, group, scale * ref.LOG2E, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD=d, HEAD_PAD=_head_pad(d), BATCHED_Q=batched_q, CAUSAL=causal,
+        BLOCK_N=block_n, HEAD=d, HEAD_PAD=_head_pad(d), CAUSAL=causal,
         DOT_PREC=_dot_precision(query.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -190,39 +182,9 @@ def block_sparse_attention(q, k, v, block_mask, block_size=128, causal=True, sca
     ref.check_mask(block_mask, b, h, q_len, k_len, block_size)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty_like(q)
-    plan = [(i, k_len - q_len, k_len, 0, i * out.stride(0)) for i in range(b)]
-    _launch(out, q, k, v, block_mask, plan, (out.stride(2), out.stride(1)), h // hkv, scale, block_size, causal,
-            True)
+    plan = [(i, k_len - q_len, k_len, i * out.stride(0)) for i in range(b)]
+    _launch(out, q, k, v, block_mask, plan, (out.stride(2), out.stride(1)), h // hkv, scale, block_size, causal)
     return out
-
-
-def _gather_contexts(key_cache, value_cache, block_tables, plan, kv_cache_dtype, k_scale, v_scale, head_size,
-                     dtype):
-    """Each sequence's whole K and V, dequantized to ``dtype``, as [P, H_kv, longest, D] (zeros past a shorter
-    sequence's end: the kernel masks those keys, and a zero V keeps their products finite)."""
-    longest = max(seq_len for *_, seq_len in plan)
-    k = torch.empty(len(plan), key_cache.shape[1], longest, head_size, dtype=dtype, device=key_cache.device)
-    v = torch.empty_like(k)
-    for i, (seq, _, _, seq_len) in enumerate(plan):
-        gather_cache(key_cache, value_cache, block_tables[seq], seq_len, k[i], v[i], kv_cache_dtype, k_scale,
-                     v_scale)
-    return k, v
-
-
-def _prefill_masks(query, k, plan, threshold, stride, block_size, share_kv_heads, fp8_estimate):
-    """bool [P, H, q_blocks, k_blocks]: each sequence's estimated mask of its new tokens against its whole
-    context (``k`` from :func:`_gather_contexts`), zero-padded to the largest shape."""
-    layouts = [ref.block_layout(q_len, seq_len, block_size) for _, _, q_len, seq_len in plan]
-    shape = (len(plan), query.shape[1], max(lay[1] for lay in layouts), max(lay[2] for lay in layouts))
-    if isinstance(threshold, (int, float)) and threshold >= 1.0:  # dense: nothing to estimate
-        return torch.ones(shape, dtype=torch.bool, device=query.device)
-    masks = torch.zeros(shape, dtype=torch.bool, device=query.device)
-    for i, (_, q0, q_len, seq_len) in enumerate(plan):
-        q = query[q0:q0 + q_len].transpose(0, 1)[None]  # [1, H, q_len, D] view
-        mask = xattn_estimate(q, k[i:i + 1, :, :seq_len], block_size, stride, threshold,
-                              share_kv_heads=share_kv_heads, fp8_estimate=fp8_estimate)[0][0]
-        masks[i, :, :mask.shape[1], :mask.shape[2]] = mask
-    return masks
 
 
 def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
@@ -231,12 +193,21 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
                              fp8_estimate=False):
     plan = ref.prefill_plan(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                             query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype)
-    if not plan:
-        return
     _check_block_size(block_size)
-    k, v = _gather_contexts(key_cache, value_cache, block_tables, plan, kv_cache_dtype, k_scale, v_scale,
-                            query.shape[-1], query.dtype)
-    masks = _prefill_masks(query, k, plan, threshold, stride, block_size, share_kv_heads, fp8_estimate)
-    entries = [(i, seq_len - q_len, seq_len, q0, q0 * out.stride(0)) for i, (_, q0, q_len, seq_len) in enumerate(plan)]
-    _launch(out, query.transpose(0, 1)[None], k, v, masks, entries, (out.stride(0), out.stride(1)),
-            query.shape[1] // num_kv_heads, scale, block_size, True, False)
+    dense = isinstance(threshold, (int, float)) and threshold >= 1.0  # nothing to estimate
+    # One sequence at a time, so the memory held is one context's: its K and V gathered out of the cache
+    # (dequantized), which the estimate needs token-major anyway and the kernel then reads by TMA.
+    for seq, q0, q_len, seq_len in plan:
+        k = torch.empty(1, num_kv_heads, seq_len, query.shape[-1], dtype=query.dtype, device=query.device)
+        v = torch.empty_like(k)
+        gather_cache(key_cache, value_cache, block_tables[seq], seq_len, k[0], v[0], kv_cache_dtype, k_scale,
+                     v_scale)
+        q = query[q0:q0 + q_len].transpose(0, 1)[None]  # [1, H, q_len, D] view
+        if dense:
+            _, q_blocks, k_blocks = ref.block_layout(q_len, seq_len, block_size)
+            mask = torch.ones(1, query.shape[1], q_blocks, k_blocks, dtype=torch.bool, device=query.device)
+        else:
+            mask = xattn_estimate(q, k, block_size, stride, threshold, share_kv_heads=share_kv_heads,
+                                  fp8_estimate=fp8_estimate)[0]
+        _launch(out, q, k, v, mask, [(0, seq_len - q_len, seq_len, q0 * out.stride(0))],
+                (out.stride(0), out.stride(1)), query.shape[1] // num_kv_heads, scale, block_size, True)
