@@ -127,16 +127,18 @@ def test_projections_streamed_in_slices(tmp_path, monkeypatch, arch):
 
 
 def test_the_engine_declines_the_kernel_where_shares_stream(tmp_path, monkeypatch):
-    """Shapes whose weight shares would stream in slices (Llama 3 8B's) keep the layers' path, which is faster
-    there; shapes whose shares are requested whole (Qwen3-0.6B's) take the kernel."""
+    """By default, shapes whose weight shares would stream in slices (Llama 3 8B's) keep the layers' path, which
+    is faster there; shapes whose shares are requested whole (Qwen3-0.6B's) take the kernel. "triton" takes it
+    either way."""
     from pagedllm.ops.triton import decode_layer
     assert not decode_layer.DecoderLayerKernel.streams_weights(1024, 3072, 16, 8, 128, torch.bfloat16)
     assert decode_layer.DecoderLayerKernel.streams_weights(4096, 14336, 32, 8, 128, torch.bfloat16)
     model = _model(tmp_path, "qwen3", torch.float16)
-    assert isinstance(fused_decode._build(model.model, torch.device("cpu"), "triton"), fused_decode.FusedDecode)
+    assert isinstance(fused_decode._build(model.model, torch.device("cpu"), "auto"), fused_decode.FusedDecode)
     monkeypatch.setattr(decode_layer, "SLICE_BYTES", 512)  # the 128 programs' qkv shares (1 KB) now stream
     monkeypatch.setattr(decode_layer, "STEP_BYTES", 256)
-    assert fused_decode._build(model.model, torch.device("cpu"), "triton") is None
+    assert fused_decode._build(model.model, torch.device("cpu"), "auto") is None
+    assert isinstance(fused_decode._build(model.model, torch.device("cpu"), "triton"), fused_decode.FusedDecode)
 
 
 def test_shares_split_into_two_power_of_two_slices():
@@ -184,7 +186,7 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context,
     attn = model.model.layers[0].self_attn
     kernel = DecoderLayerKernel(model.config.hidden_size, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                 dtype, torch.device("cpu"), num_programs=8)
-    model.model._fused_decode = {"triton": fused_decode.FusedDecode(model.model, kernel)}
+    model.model._fused_decode = {"auto": fused_decode.FusedDecode(model.model, kernel)}  # the default mode's
     logits = _step(model, ids, pages, context - 1, 1, bound)
     assert calls == [0, 1]  # the kernel ran each layer
     err = (logits - reference).abs().max() / reference.abs().max()
@@ -203,7 +205,7 @@ def test_padding_step_writes_nothing(tmp_path, monkeypatch):
                              torch.tensor([0], dtype=torch.int32), 0, None, None, None, 0, 0)
     with set_forward_context(meta), torch.no_grad():
         hidden = model(torch.tensor([3]), torch.tensor([0]))
-    assert model.model._fused_decode["triton"] is not None  # the kernel ran the step
+    assert model.model._fused_decode["auto"] is not None  # the kernel ran the step
     assert torch.isfinite(hidden).all()
     assert all(not t.any() for t in _caches(model))
 

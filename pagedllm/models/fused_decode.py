@@ -3,10 +3,11 @@ path: by default the Triton decoder-layer kernel (pagedllm.ops.triton.decode_lay
 instead of ~9 kernels).
 
 LlamaModel.forward asks `fused_decode` on every forward pass; it answers only for a decode-only step of one
-token (the forward context says so) whose layers the kernel covers with weight shares it requests whole (where
-they would stream in slices, as Llama 3 8B's do, the layers are faster), so everything else (prefills, batches,
-fp8 caches, ALiBi, biases outside q/k/v) keeps the layers' own path. PAGEDLLM_DECODE_LAYER: 0 turns it off
-(the layers' fused path then runs those steps, as before); "persistent" runs each layer as one launch with
+token (the forward context says so) whose layers the kernel covers, so everything else (prefills, batches,
+fp8 caches, ALiBi, biases outside q/k/v) keeps the layers' own path. PAGEDLLM_DECODE_LAYER: unset or 1 takes the
+kernel only where it requests each program's weight shares whole (where they would stream in slices, as Llama 3
+8B's do, the layers are faster); "triton" takes it wherever it runs; 0 turns it off (the layers' fused path then
+runs those steps, as before); "persistent" runs each layer as one launch with
 grid barriers (decode_layer says why that is not the default); "cuda" runs the whole model as one CUDA launch
 whose weights stream independently of the layers' dependency chain (pagedllm/ops/cuda/decode_model.py;
 slower than the default so far, benchmarks/results/README.md), where the CUDA op library builds and the
@@ -26,7 +27,7 @@ from pagedllm.layers.norm import fused_kernels
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGEDLLM_DECODE_LAYER"
-MODES = ("triton", "persistent", "cuda")
+MODES = ("auto", "triton", "persistent", "cuda")
 
 
 class FusedDecode:
@@ -90,7 +91,7 @@ def _build(model, device: torch.device, mode: str) -> FusedDecode | CudaDecode |
     from pagedllm.ops.triton.decode_layer import DecoderLayerKernel, default_programs
     programs = default_programs(device)
     if (DecoderLayerKernel.unsupported(*shape, programs) is not None
-            or DecoderLayerKernel.streams_weights(*shape, programs)):
+            or mode == "auto" and DecoderLayerKernel.streams_weights(*shape, programs)):
         return None
     return FusedDecode(model, DecoderLayerKernel(*shape, device, persistent=mode == "persistent"))
 
@@ -117,7 +118,7 @@ def fused_decode(model, input_ids: torch.Tensor) -> FusedDecode | CudaDecode | N
     mode = os.environ.get(ENV_VAR, "1").strip().lower()
     if mode in ("0", "false", "off", "no"):
         return None
-    mode = "triton" if mode in ("1", "true", "on", "yes") else mode
+    mode = "auto" if mode in ("1", "true", "on", "yes") else mode
     if mode not in MODES:
         raise ValueError(f"{ENV_VAR}={mode!r}: expected 0, 1 or one of " + ", ".join(MODES))
     if input_ids.shape[0] != 1 or fused_kernels(input_ids) is None:
