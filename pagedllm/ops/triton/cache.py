@@ -94,7 +94,7 @@ def _gather_cache_kernel(
     d = tl.arange(0, HEAD_PAD)
     cached = (t < seq_len)[:, None] & (d < HEAD_SIZE)[None, :]
     page = tl.load(block_table + t // BLOCK_SIZE, mask=t < seq_len, other=0).to(tl.int64)[:, None]
-    out = head * stride_oh + t[:, None] * stride_ot + d[None, :]
+    out = head.to(tl.int64) * stride_oh + t.to(tl.int64)[:, None] * stride_ot + d[None, :]  # past 2^31 at 512K+
     out_ok = (t < length)[:, None] & (d < HEAD_SIZE)[None, :]
     _gather_one(key_cache, key_out, page, t, d, head, k_scale, cached, out, out_ok, stride_kcb, stride_kch,
                 stride_kc2, BLOCK_SIZE, X, LAYOUT, FP8, SCALE_PTR, True)

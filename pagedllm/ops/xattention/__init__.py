@@ -77,9 +77,11 @@ def prefill_workspace_bytes(seq_len: int, query_len: int, num_heads: int, num_kv
     """An upper bound of the memory one GPU ``xattention_paged_prefill`` call holds at once besides its output,
     for a sequence of ``seq_len`` tokens whose last ``query_len`` are new: the sequence's K and V gathered out of
     the cache; the estimate's token-aligned and fp8 copies of Q and K (with a scale per reshaped row); its
-    per-row partial sums; and the block sums (twice more shared by kv heads), mask and key-block lists."""
+    per-row partial sums and tile maxima; and the block sums (twice more shared by kv heads), mask and key-block
+    lists."""
     q_blocks, k_blocks = -(-query_len // block_size) + 1, -(-seq_len // block_size) + 1
     tokens = num_heads * query_len + num_kv_heads * seq_len
     copies = 2 * num_kv_heads * seq_len * head_size * itemsize + tokens * (head_size * (itemsize + 1) + 4)
-    partials = num_heads * (q_blocks * (block_size // stride) + 256) * (k_blocks + 64) * 4
+    rows = q_blocks * (block_size // stride) + 256
+    partials = num_heads * rows * (k_blocks + 64 + -(-seq_len // (256 * stride))) * 4  # and each tile's row max
     return copies + partials + num_heads * q_blocks * k_blocks * 17

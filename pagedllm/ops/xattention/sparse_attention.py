@@ -211,3 +211,4 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
                                   fp8_estimate=fp8_estimate)[0]
         _launch(out, q, k, v, mask, [(0, seq_len - q_len, seq_len, q0 * out.stride(0))],
                 (out.stride(0), out.stride(1)), query.shape[1] // num_kv_heads, scale, block_size, True)
+        del k, v, mask  # before the next sequence's are allocated
