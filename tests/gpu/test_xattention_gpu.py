@@ -7,12 +7,23 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from pagedllm import ops  # noqa: E402
 from pagedllm.ops import reference as ops_ref  # noqa: E402
 from pagedllm.ops import xattention as xa  # noqa: E402
 from pagedllm.ops.xattention import estimate  # noqa: E402
 from pagedllm.ops.xattention import reference as ref  # noqa: E402
 
 H, HKV, D = 32, 8, 128
+
+
+@pytest.fixture(params=["triton", "cuda"])
+def sparse_backend(request):
+    """The ops backend: with "cuda" on Hopper, block-sparse attention runs csrc/sparse_attention.cu."""
+    if request.param == "cuda" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA sparse attention kernel needs a Hopper GPU")
+    ops.set_backend(request.param)
+    yield request.param
+    ops.set_backend(None)
 
 
 def _qkv(q_len, k_len, seed, dtype=torch.bfloat16):
@@ -93,7 +104,7 @@ def test_block_sums_other_heads_match_reference(heads, kv_heads, head, stride):
 
 
 @pytest.mark.parametrize("q_len,k_len", [(8192, 8192), (3000, 10000)])
-def test_block_sparse_attention_matches_reference(q_len, k_len):
+def test_block_sparse_attention_matches_reference(q_len, k_len, sparse_backend):
     q, k, v = _qkv(q_len, k_len, seed=2)
     first, q_blocks, k_blocks = ref.block_layout(q_len, k_len, 128)
     mask = torch.rand(1, H, q_blocks, k_blocks, device="cuda") < 0.3
@@ -119,7 +130,7 @@ def test_block_sparse_attention_other_heads_match_reference(heads, kv_heads, hea
 
 
 @pytest.mark.parametrize("n", [8192, 32768])
-def test_full_mask_equals_sdpa(n):
+def test_full_mask_equals_sdpa(n, sparse_backend):
     q, k, v = _qkv(n, n, seed=3)
     blocks = n // 128
     mask = torch.ones(1, H, blocks, blocks, dtype=torch.bool, device="cuda")
@@ -161,7 +172,7 @@ _SEQS = [(16384, 16384), (4096, 16384), (6000, 8000)]
 
 @pytest.mark.parametrize("layout", ops_ref.KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_paged_threshold_one_equals_paged_prefill(kv_cache_dtype, layout):
+def test_paged_threshold_one_equals_paged_prefill(kv_cache_dtype, layout, sparse_backend):
     args = _paged(_SEQS, kv_cache_dtype, layout=layout)
     out, want = torch.empty_like(args[0]), torch.empty_like(args[0])
     xa.xattention_paged_prefill(out, *args, threshold=1.0)
@@ -170,7 +181,7 @@ def test_paged_threshold_one_equals_paged_prefill(kv_cache_dtype, layout):
 
 
 @pytest.mark.parametrize("share_kv_heads,fp8_estimate", [(False, False), (True, False), (False, True)])
-def test_paged_sparse_matches_dense_sparse(share_kv_heads, fp8_estimate):
+def test_paged_sparse_matches_dense_sparse(share_kv_heads, fp8_estimate, sparse_backend):
     """At threshold 0.9 the paged op equals block-sparse attention over the gathered K/V with the mask the
     estimate picks for them (with share_kv_heads, one mask for each kv head's query heads)."""
     args = _paged(_SEQS[1:], "auto", layout="hnd")

@@ -24,10 +24,12 @@ from pagedllm.ops.cuda.build import CudaOpsUnavailable, load_library
 from pagedllm.ops.reference import PARTITION_SIZE
 
 __all__ = ["CudaOpsUnavailable", "load", "reshape_and_cache", "paged_attention_v1", "paged_attention_v2",
-           "paged_attention_split", "paged_attention", "paged_prefill", "decode_partition_size",
+           "paged_attention_split", "paged_attention", "paged_prefill", "xattn_sparse_supported",
+           "xattn_sparse_attention", "decode_partition_size",
            "DecodeTuning", "TUNING", "PARTITION_SIZE", "HEADS_PER_CTA"]
 
-OPS = ("paged_attention_v1", "paged_attention_v2", "paged_attention_split", "reshape_and_cache")
+OPS = ("paged_attention_v1", "paged_attention_v2", "paged_attention_split", "reshape_and_cache",
+       "xattn_sparse_attention")
 HEADS_PER_CTA = 8  # query heads of one kv head per thread block (kHeadsPerCta in csrc/decode_kernel.cuh)
 _fakes_registered = False
 _ready: set = set()  # devices whose library is loaded: the per-call fast path
@@ -177,6 +179,21 @@ def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, blo
                                  _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()))
     paged_attention_split(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                           block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, size)
+
+
+def xattn_sparse_supported(query, key, block_size) -> bool:
+    """Whether :func:`xattn_sparse_attention` runs these shapes: bf16, head 128, 128-token blocks, on Hopper."""
+    return (query.dtype == key.dtype == torch.bfloat16 and query.shape[-1] == 128 and block_size == 128
+            and torch.cuda.get_device_capability(query.device)[0] == 9)
+
+
+def xattn_sparse_attention(out, query, key, value, item_p, item_j, p_seq, p_qstart, p_len, p_ooff, kv_idx, kv_count,
+                           stride_ot, stride_oh, group, qk_scale, causal):
+    """XAttention's block-sparse attention over listed key blocks (csrc/sparse_attention.cu): the CUDA twin of
+    the Triton kernel in :mod:`pagedllm.ops.xattention.sparse_attention`, which builds the arguments."""
+    _ops(query.device).xattn_sparse_attention(out, query, key, value, item_p, item_j, p_seq, p_qstart, p_len,
+                                              p_ooff, kv_idx, kv_count, stride_ot, stride_oh, group, qk_scale,
+                                              causal)
 
 
 def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,

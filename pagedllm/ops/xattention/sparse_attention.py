@@ -13,6 +13,10 @@ A small kernel first turns each mask row into its list of visible selected key b
 by "items" (one per query block of a sequence), listed heaviest (latest block) first so the long causal
 rows start early. The grid runs one kv head after another (its query heads side by side), so the blocks the
 running programs read are one kv head's and come from the L2 after their first read.
+
+With the CUDA ops backend (``PAGEDLLM_OPS_BACKEND=cuda``) on Hopper, bf16 with head 128 and 128-token blocks run
+a CUDA twin of this kernel on the same lists and items (``csrc/sparse_attention.cu``: a TMA producer warp and
+wgmma; on the H100 0-13% less kernel time at 5-50% density, results README).
 """
 import math
 
@@ -21,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pagedllm import ops
 from pagedllm.ops.triton.cache import gather_cache
 
 from . import reference as ref
@@ -146,24 +151,34 @@ def _launch(out, query, k, v, masks, plan, o_strides, group, scale, block_size, 
     dev = query.device
     idx = torch.empty(num_p, num_heads, q_blocks, k_blocks, dtype=torch.int32, device=dev)
     count = torch.empty(num_p, num_heads, q_blocks, dtype=torch.int32, device=dev)
-    cols = [torch.tensor(c, dtype=torch.int64, device=dev) for c in zip(*plan)]
+    plan_t = torch.tensor(plan, dtype=torch.int64)
+    # One item per (entry, query block), heaviest (latest block) first; built with tensor ops (a 128K prompt has
+    # 1024 query blocks) and sent in one copy.
+    first = plan_t[:, 1] // block_size
+    blocks = -(-plan_t[:, 2] // block_size) - first
+    item_p = torch.repeat_interleave(torch.arange(num_p), blocks)
+    item_j = torch.arange(len(item_p)) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
+    order = torch.argsort(-(first[item_p] + item_j), stable=True)
+    items = torch.stack([item_p[order], item_j[order]]).to(torch.int32).to(dev, non_blocking=True)
+    item_p, item_j = items[0], items[1]
+    cols = plan_t.T.contiguous().to(dev, non_blocking=True)
     m8 = masks.view(torch.int8)
     _compact_kernel[(q_blocks, num_p * num_heads)](
         m8, cols[1], idx, count, *m8.stride()[:3], *idx.stride()[:3], *count.stride()[:2], num_heads, k_blocks,
         BLOCK_SIZE=block_size, KB_PAD=_pow2(k_blocks), CAUSAL=causal)
-    # one item per (entry, query block), heaviest (latest block) first
-    first = [q_start // block_size for _, q_start, _, _ in plan]
-    items = sorted(((p, j) for p, (_, _, seq_len, _) in enumerate(plan)
-                    for j in range(-(-seq_len // block_size) - first[p])), key=lambda it: -(first[it[0]] + it[1]))
-    item_p = torch.tensor([p for p, _ in items], dtype=torch.int32, device=dev)
-    item_j = torch.tensor([j for _, j in items], dtype=torch.int32, device=dev)
+    backend = ops.get_backend(dev)
+    if query.is_cuda and hasattr(backend, "xattn_sparse_attention") and backend.xattn_sparse_supported(
+            query, k, block_size):
+        backend.xattn_sparse_attention(out, _tma_operand(query), _tma_operand(k), _tma_operand(v), item_p, item_j,
+                                       *cols, idx, count, *o_strides, group, scale * ref.LOG2E, causal)
+        return
     d = query.shape[-1]
     cfg = GPU_CONFIG if query.is_cuda else CPU_CONFIG
     block_m, block_n = min(cfg["block_m"], block_size), min(cfg["block_n"], block_size)
     # unit box dimensions lead: the loaded tile then reshapes to 2-D without a trip through registers
     q_desc = TensorDescriptor.from_tensor(_tma_operand(query), [1, 1, block_m, _head_pad(d)])
     k_desc, v_desc = (TensorDescriptor.from_tensor(_tma_operand(x), [1, 1, block_n, _head_pad(d)]) for x in (k, v))
-    grid = (len(items) * (block_size // block_m) * num_heads,)
+    grid = (len(item_p) * (block_size // block_m) * num_heads,)
     _sparse_attn_kernel[grid](
         q_desc, out, k_desc, v_desc, item_p, item_j, *cols, idx, count, *o_strides, *idx.stride()[:3],
         *count.stride()[:2], num_heads, group, scale * ref.LOG2E, BLOCK_SIZE=block_size, BLOCK_M=block_m,
