@@ -292,11 +292,8 @@ void xattn_sparse_attention(at::Tensor& out, const at::Tensor& query, const at::
                  kv_idx.stride(0), kv_idx.stride(1), kv_idx.stride(2), kv_count.stride(0), kv_count.stride(1), heads,
                  (int)group, (float)qk_scale, causal};
   const CUtensorMap qm = tensor_map(query, "query"), km = tensor_map(key, "key"), vm = tensor_map(value, "value");
-  static const bool smem_set = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(xattn_sparse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    return true;
-  }();
-  (void)smem_set;
+  // Per call, not once: the attribute belongs to the current device.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(xattn_sparse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int64_t grid = item_p.size(0) * heads;
   if (grid == 0) return;
   xattn_sparse_kernel<<<grid, 384, kSmem, c10::cuda::getCurrentCUDAStream()>>>(qm, km, vm, P);
