@@ -187,13 +187,12 @@ def xattn_sparse_supported(query, key, block_size) -> bool:
             and torch.cuda.get_device_capability(query.device)[0] == 9)
 
 
-def xattn_sparse_attention(out, query, key, value, item_p, item_j, p_seq, p_qstart, p_len, p_ooff, kv_idx, kv_count,
-                           stride_ot, stride_oh, group, qk_scale, causal):
+def xattn_sparse_attention(out, query, key, value, kv_idx, kv_count, stride_ob, stride_ot, stride_oh, group, qk_scale,
+                           causal):
     """XAttention's block-sparse attention over listed key blocks (csrc/sparse_attention.cu): the CUDA twin of
     the Triton kernel in :mod:`pagedllm.ops.xattention.sparse_attention`, which builds the arguments."""
-    _ops(query.device).xattn_sparse_attention(out, query, key, value, item_p, item_j, p_seq, p_qstart, p_len,
-                                              p_ooff, kv_idx, kv_count, stride_ot, stride_oh, group, qk_scale,
-                                              causal)
+    _ops(query.device).xattn_sparse_attention(out, query, key, value, kv_idx, kv_count, stride_ob, stride_ot,
+                                              stride_oh, group, qk_scale, causal)
 
 
 def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,

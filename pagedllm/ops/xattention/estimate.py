@@ -273,7 +273,7 @@ def block_sums(query, key, block_size, stride, chunk_size, causal, fp8_estimate=
 
 
 @triton.jit
-def _select_kernel(SUMS, THR, MASK, stride_sz, stride_sq, stride_mz, stride_mq, first, k_blocks,
+def _select_kernel(SUMS, THR, MASK, KEPT, stride_sz, stride_sq, stride_mz, stride_mq, first, k_blocks,
                    KB_PAD: tl.constexpr, CAUSAL: tl.constexpr):
     """One query block's row of ``reference.select_blocks``. Instead of sorting, it finds the largest mass t
     such that the forced blocks plus every candidate of mass >= t reach the goal, by bisection on the bits
@@ -302,20 +302,22 @@ def _select_kernel(SUMS, THR, MASK, stride_sz, stride_sq, stride_mz, stride_mq, 
         lo = 0  # every visible block, whatever the rounding of the sums
     keep = forced | (bits >= lo)
     tl.store(MASK + bh * stride_mz + j * stride_mq + kb, keep.to(tl.int8), mask=kb < k_blocks)
+    tl.atomic_add(KEPT, tl.sum(keep.to(tl.int64), axis=0))
 
 
 def select_blocks(block_sums, first_q_block, threshold, causal=True):
-    """``reference.select_blocks`` as one Triton program per query block (no sort)."""
+    """``reference.select_blocks`` as one Triton program per query block (no sort). The programs count the
+    blocks they keep, so the density costs no pass over the mask (nor the launches of one)."""
     b, h, q_blocks, k_blocks = block_sums.shape
     sums = block_sums.float().reshape(b * h, q_blocks, k_blocks)
     thr = ref._thresholds(threshold, b, h, sums.device).reshape(b * h).contiguous()
     mask = torch.empty(b, h, q_blocks, k_blocks, dtype=torch.bool, device=sums.device)
+    kept = torch.zeros((), dtype=torch.int64, device=sums.device)
     flat = mask.view(torch.int8).view(b * h, q_blocks, k_blocks)
-    _select_kernel[(q_blocks, b * h)](sums, thr, flat, sums.stride(0), sums.stride(1), flat.stride(0),
+    _select_kernel[(q_blocks, b * h)](sums, thr, flat, kept, sums.stride(0), sums.stride(1), flat.stride(0),
                                       flat.stride(1), first_q_block, k_blocks,
                                       KB_PAD=_pow2(k_blocks), CAUSAL=causal)
-    visible = ref.visible_blocks(first_q_block, q_blocks, k_blocks, causal, sums.device)
-    return mask, ref.density(mask, visible)
+    return mask, kept / (ref.visible_count(first_q_block, q_blocks, k_blocks, causal) * b * h)
 
 
 def xattn_estimate(query, key, block_size=128, stride=8, threshold=0.9, chunk_size=16384, causal=True,

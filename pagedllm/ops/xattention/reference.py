@@ -74,8 +74,12 @@ def check_mask(block_mask, b, h, q_len, k_len, block_size):
 
 
 def _thresholds(threshold, b, h, device):
-    """A float or a per-head tensor ([H] or [B, H]) as a [B, H, 1] float tensor."""
-    t = torch.as_tensor(threshold, dtype=torch.float32, device=device)
+    """A float or a per-head tensor ([H] or [B, H]) as a [B, H, 1] float tensor. A float is filled in on the
+    device: as_tensor(float, device=cuda) is a blocking copy, which stalled the host until the estimate's kernels
+    were done, leaving the GPU idle while the rest of the op was launched."""
+    if isinstance(threshold, (int, float)):
+        return torch.full((b, h, 1), float(threshold), dtype=torch.float32, device=device)
+    t = torch.as_tensor(threshold, dtype=torch.float32).to(device, non_blocking=True)
     if t.dim() == 1:
         t = t[None, :]
     return t.expand(b, h).reshape(b, h, 1)
@@ -87,6 +91,14 @@ def visible_blocks(first_q_block, q_blocks, k_blocks, causal, device):
         return torch.ones(q_blocks, k_blocks, dtype=torch.bool, device=device)
     kb = torch.arange(k_blocks, device=device)
     return kb[None, :] <= first_q_block + torch.arange(q_blocks, device=device)[:, None]
+
+
+def visible_count(first_q_block, q_blocks, k_blocks, causal):
+    """How many (query block, key block) pairs visible_blocks holds, computed on the host."""
+    if not causal:
+        return q_blocks * k_blocks
+    n = min(max(k_blocks - first_q_block, 0), q_blocks)  # rows that do not reach the last key block
+    return n * first_q_block + n * (n + 1) // 2 + (q_blocks - n) * k_blocks
 
 
 def select_blocks(block_sums, first_q_block, threshold, causal=True):

@@ -9,13 +9,12 @@ zeros); query heads index their kv head, so GQA never copies K/V. The paged pref
 sequence's context out of the cache (the estimate needs its K token-major anyway): through the block table
 the same kernel ran ~1.5x slower (results README).
 
-A small kernel first turns each mask row into its list of visible selected key blocks. Work is described
-by "items" (one per query block of a sequence), listed heaviest (latest block) first so the long causal
-rows start early. The grid runs one kv head after another (its query heads side by side), so the blocks the
+A small kernel first turns each mask row into its list of visible selected key blocks. Query blocks are
+handed out heaviest (latest block) first, so the long causal rows start early. The grid runs one kv head after another (its query heads side by side), so the blocks the
 running programs read are one kv head's and come from the L2 after their first read.
 
 With the CUDA ops backend (``PAGEDLLM_OPS_BACKEND=cuda``) on Hopper, bf16 with head 128 and 128-token blocks run
-a CUDA twin of this kernel on the same lists and items (``csrc/sparse_attention.cu``: a TMA producer warp and
+a CUDA twin of this kernel on the same lists (``csrc/sparse_attention.cu``: a TMA producer warp and
 wgmma; on the H100 0-13% less kernel time at 5-50% density, results README).
 """
 import math
@@ -69,10 +68,10 @@ def _attend(q, m_i, l_i, acc, start, q0, seq, seq_len, K, V, kvh, qk_scale, BLOC
 # Strides that follow each batch's mask shape: not specialised on, so a new batch does not compile a new
 # variant. Positions are int32 and per-row values are recomputed after the loops rather than kept live across
 # them: the kernel sits at the 255-register limit (a live int64 row index once made it spill).
-@triton.jit(do_not_specialize=["stride_ip", "stride_ih", "stride_iq", "stride_cp", "stride_ch"])
+@triton.jit(do_not_specialize=["q_blocks", "q_start", "seq_len", "stride_ob", "stride_ip", "stride_ih", "stride_iq", "stride_cp", "stride_ch"])
 def _sparse_attn_kernel(
-    Q, O, K, V, ITEM_P, ITEM_J, P_SEQ, P_QSTART, P_LEN, P_OOFF, KV_IDX, KV_CNT, stride_ot, stride_oh,
-    stride_ip, stride_ih, stride_iq, stride_cp, stride_ch, H, GROUP, qk_scale,
+    Q, O, K, V, KV_IDX, KV_CNT, stride_ob, stride_ot, stride_oh, stride_ip, stride_ih, stride_iq, stride_cp,
+    stride_ch, H, GROUP, num_p, q_blocks, q_start, seq_len, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -84,14 +83,11 @@ def _sparse_attn_kernel(
     h = kvh * GROUP + tl.program_id(0) % GROUP
     M_TILES: tl.constexpr = BLOCK_SIZE // BLOCK_M
     item = tile // M_TILES
-    p = tl.load(ITEM_P + item)  # which mask (sequence) and which of its query blocks
-    j = tl.load(ITEM_J + item)
-    seq = tl.load(P_SEQ + p).to(tl.int32)  # its batch index in Q and K/V
-    q_start = tl.load(P_QSTART + p).to(tl.int32)
-    seq_len = tl.load(P_LEN + p).to(tl.int32)
+    p = item % num_p  # the batch entry; its query blocks run heaviest (latest) first
+    j = q_blocks - 1 - item // num_p
     q0 = (q_start // BLOCK_SIZE + j) * BLOCK_SIZE + (tile % M_TILES) * BLOCK_M  # first query row's position
     # Q through its descriptor: it stays in shared memory for the tensor cores instead of ~50 registers.
-    q = Q.load([seq, h, q0 - q_start, 0]).reshape(BLOCK_M, HEAD_PAD)
+    q = Q.load([p, h, q0 - q_start, 0]).reshape(BLOCK_M, HEAD_PAD)
 
     idx = KV_IDX + p.to(tl.int64) * stride_ip + h * stride_ih + j.to(tl.int64) * stride_iq
     count = tl.load(KV_CNT + p * stride_cp + h * stride_ch + j)
@@ -103,7 +99,7 @@ def _sparse_attn_kernel(
     N_TILES: tl.constexpr = BLOCK_SIZE // BLOCK_N
     for it in range(0, (count - 1) * N_TILES):
         start = tl.load(idx + it // N_TILES) * BLOCK_SIZE + (it % N_TILES) * BLOCK_N
-        m_i, l_i, acc = _attend(q, m_i, l_i, acc, start, q0, seq, seq_len, K, V, kvh, qk_scale, BLOCK_M,
+        m_i, l_i, acc = _attend(q, m_i, l_i, acc, start, q0, p, seq_len, K, V, kvh, qk_scale, BLOCK_M,
                                 BLOCK_N, False, CAUSAL, DOT_PREC, HEAD_PAD)
     if count > 0:  # the last listed block: diagonal and/or ragged end
         kb_start = tl.load(idx + count - 1) * BLOCK_SIZE
@@ -111,66 +107,55 @@ def _sparse_attn_kernel(
         if CAUSAL:
             end = tl.minimum(end, q0 + BLOCK_M)
         for n in range(kb_start, end, BLOCK_N):
-            m_i, l_i, acc = _attend(q, m_i, l_i, acc, n, q0, seq, seq_len, K, V, kvh, qk_scale, BLOCK_M,
+            m_i, l_i, acc = _attend(q, m_i, l_i, acc, n, q0, p, seq_len, K, V, kvh, qk_scale, BLOCK_M,
                                     BLOCK_N, True, CAUSAL, DOT_PREC, HEAD_PAD)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     q_pos = q0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD
-    rows = tl.load(P_OOFF + p) + (q_pos - q_start).to(tl.int64) * stride_ot
+    rows = p.to(tl.int64) * stride_ob + (q_pos - q_start).to(tl.int64) * stride_ot
     tl.store(O + rows[:, None] + h * stride_oh + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=((q_pos >= q_start) & (q_pos < seq_len))[:, None] & d_ok[None, :])
 
 
-@triton.jit
-def _compact_kernel(MASK, P_QSTART, IDX, CNT, stride_mp, stride_mh, stride_mq, stride_ip, stride_ih, stride_iq,
-                    stride_cp, stride_ch, H, k_blocks, BLOCK_SIZE: tl.constexpr, KB_PAD: tl.constexpr,
-                    CAUSAL: tl.constexpr):
+@triton.jit(do_not_specialize=["first"])
+def _compact_kernel(MASK, IDX, CNT, stride_mp, stride_mh, stride_mq, stride_ip, stride_ih, stride_iq, stride_cp,
+                    stride_ch, H, first, k_blocks, KB_PAD: tl.constexpr, CAUSAL: tl.constexpr):
     """One mask row -> its visible selected key blocks, ascending, and their count."""
     j, ph = tl.program_id(0), tl.program_id(1)
     p, h = ph // H, ph % H
     kb = tl.arange(0, KB_PAD)
     ok = kb < k_blocks
     if CAUSAL:
-        # blocks past the diagonal are dropped: the attention kernel masks only the last listed block
-        ok = ok & (kb <= tl.load(P_QSTART + p) // BLOCK_SIZE + j)
+        ok = ok & (kb <= first + j)  # past the diagonal: dropped, the attention kernel masks only the last block
     keep = tl.load(MASK + p * stride_mp + h * stride_mh + j * stride_mq + kb, mask=ok, other=0) != 0
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(IDX + p * stride_ip + h * stride_ih + j * stride_iq + pos, kb, mask=keep)
     tl.store(CNT + p * stride_cp + h * stride_ch + j, tl.sum(keep.to(tl.int32), axis=0))
 
 
-def _launch(out, query, k, v, masks, plan, o_strides, group, scale, block_size, causal):
-    """Run the sparse kernel. ``query`` is ``[batch, heads, rows, D]`` (any strides TMA accepts), ``k`` / ``v``
-    ``[batch, kv heads, len, D]``; ``masks`` is bool [P, H, q_blocks, k_blocks]; ``plan`` lists per entry (batch,
-    query start, seq len, output element offset): query rows 0.. of that batch are positions query start ..
-    seq len - 1 of its K/V."""
+def _launch(out, query, k, v, masks, o_strides, group, scale, block_size, causal):
+    """Run the sparse kernel. ``query`` is ``[batch, heads, q_len, D]`` (any strides TMA accepts), ``k`` / ``v``
+    ``[batch, kv heads, k_len, D]``, the queries being the last q_len of the k_len positions; ``masks`` is bool
+    [batch, heads, q_blocks, k_blocks]. ``out`` is written at batch x o_strides[0] + row x o_strides[1] + head x
+    o_strides[2]. Everything the kernels need follows from these shapes, so a call copies nothing from the host
+    (at 128K tokens the plan's host tensors and their copies had cost ~1 ms before the GPU started)."""
     if not scale > 0:
         raise ValueError(f"scale must be positive (the kernel applies it after the row max), got {scale!r}")
     num_p, num_heads, q_blocks, k_blocks = masks.shape
+    q_start, seq_len = k.shape[2] - query.shape[2], k.shape[2]
     dev = query.device
     idx = torch.empty(num_p, num_heads, q_blocks, k_blocks, dtype=torch.int32, device=dev)
     count = torch.empty(num_p, num_heads, q_blocks, dtype=torch.int32, device=dev)
-    plan_t = torch.tensor(plan, dtype=torch.int64)
-    # One item per (entry, query block), heaviest (latest block) first; built with tensor ops (a 128K prompt has
-    # 1024 query blocks) and sent in one copy.
-    first = plan_t[:, 1] // block_size
-    blocks = -(-plan_t[:, 2] // block_size) - first
-    item_p = torch.repeat_interleave(torch.arange(num_p), blocks)
-    item_j = torch.arange(len(item_p)) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
-    order = torch.argsort(-(first[item_p] + item_j), stable=True)
-    items = torch.stack([item_p[order], item_j[order]]).to(torch.int32).to(dev, non_blocking=True)
-    item_p, item_j = items[0], items[1]
-    cols = plan_t.T.contiguous().to(dev, non_blocking=True)
     m8 = masks.view(torch.int8)
     _compact_kernel[(q_blocks, num_p * num_heads)](
-        m8, cols[1], idx, count, *m8.stride()[:3], *idx.stride()[:3], *count.stride()[:2], num_heads, k_blocks,
-        BLOCK_SIZE=block_size, KB_PAD=_pow2(k_blocks), CAUSAL=causal)
+        m8, idx, count, *m8.stride()[:3], *idx.stride()[:3], *count.stride()[:2], num_heads, q_start // block_size,
+        k_blocks, KB_PAD=_pow2(k_blocks), CAUSAL=causal)
     backend = ops.get_backend(dev)
     if query.is_cuda and hasattr(backend, "xattn_sparse_attention") and backend.xattn_sparse_supported(
             query, k, block_size):
-        backend.xattn_sparse_attention(out, _tma_operand(query), _tma_operand(k), _tma_operand(v), item_p, item_j,
-                                       *cols, idx, count, *o_strides, group, scale * ref.LOG2E, causal)
+        backend.xattn_sparse_attention(out, _tma_operand(query), _tma_operand(k), _tma_operand(v), idx, count,
+                                       *o_strides, group, scale * ref.LOG2E, causal)
         return
     d = query.shape[-1]
     cfg = GPU_CONFIG if query.is_cuda else CPU_CONFIG
@@ -178,12 +163,12 @@ def _launch(out, query, k, v, masks, plan, o_strides, group, scale, block_size, 
     # unit box dimensions lead: the loaded tile then reshapes to 2-D without a trip through registers
     q_desc = TensorDescriptor.from_tensor(_tma_operand(query), [1, 1, block_m, _head_pad(d)])
     k_desc, v_desc = (TensorDescriptor.from_tensor(_tma_operand(x), [1, 1, block_n, _head_pad(d)]) for x in (k, v))
-    grid = (len(item_p) * (block_size // block_m) * num_heads,)
+    grid = (num_p * q_blocks * (block_size // block_m) * num_heads,)
     _sparse_attn_kernel[grid](
-        q_desc, out, k_desc, v_desc, item_p, item_j, *cols, idx, count, *o_strides, *idx.stride()[:3],
-        *count.stride()[:2], num_heads, group, scale * ref.LOG2E, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD=d, HEAD_PAD=_head_pad(d), CAUSAL=causal,
-        DOT_PREC=_dot_precision(query.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q_desc, out, k_desc, v_desc, idx, count, *o_strides, *idx.stride()[:3], *count.stride()[:2], num_heads,
+        group, num_p, q_blocks, q_start, seq_len, scale * ref.LOG2E, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, HEAD=d, HEAD_PAD=_head_pad(d), CAUSAL=causal, DOT_PREC=_dot_precision(query.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _check_block_size(block_size):
@@ -197,8 +182,8 @@ def block_sparse_attention(q, k, v, block_mask, block_size=128, causal=True, sca
     ref.check_mask(block_mask, b, h, q_len, k_len, block_size)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty_like(q)
-    plan = [(i, k_len - q_len, k_len, i * out.stride(0)) for i in range(b)]
-    _launch(out, q, k, v, block_mask, plan, (out.stride(2), out.stride(1)), h // hkv, scale, block_size, causal)
+    _launch(out, q, k, v, block_mask, (out.stride(0), out.stride(2), out.stride(1)), h // hkv, scale, block_size,
+            causal)
     return out
 
 
@@ -224,6 +209,6 @@ def xattention_paged_prefill(out, query, key_cache, value_cache, num_kv_heads, s
         else:
             mask = xattn_estimate(q, k, block_size, stride, threshold, share_kv_heads=share_kv_heads,
                                   fp8_estimate=fp8_estimate)[0]
-        _launch(out, q, k, v, mask, [(0, seq_len - q_len, seq_len, q0 * out.stride(0))],
-                (out.stride(0), out.stride(1)), query.shape[1] // num_kv_heads, scale, block_size, True)
+        _launch(out[q0:q0 + q_len], q, k, v, mask, (0, out.stride(0), out.stride(1)), query.shape[1] // num_kv_heads,
+                scale, block_size, True)
         del k, v, mask  # before the next sequence's are allocated

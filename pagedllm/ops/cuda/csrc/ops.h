@@ -60,9 +60,7 @@ void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual
 // XAttention's block-sparse attention on Hopper (sparse_attention.cu): query/key/value [batch, heads, len, 128]
 // bf16; the work items, plan and listed key blocks as pagedllm/ops/xattention/sparse_attention.py builds them.
 void xattn_sparse_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const at::Tensor& item_p, const at::Tensor& item_j, const at::Tensor& p_seq,
-                            const at::Tensor& p_qstart, const at::Tensor& p_len, const at::Tensor& p_ooff,
-                            const at::Tensor& kv_idx, const at::Tensor& kv_count, int64_t stride_ot, int64_t stride_oh,
-                            int64_t group, double qk_scale, bool causal);
+                            const at::Tensor& kv_idx, const at::Tensor& kv_count, int64_t stride_ob, int64_t stride_ot,
+                            int64_t stride_oh, int64_t group, double qk_scale, bool causal);
 
 }  // namespace pagedllm

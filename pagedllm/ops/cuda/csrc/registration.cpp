@@ -28,9 +28,8 @@ TORCH_LIBRARY(pagedllm, m) {
         "int hidden, int inter, int heads, int kv_heads, int head_size, int block_size, int cache_stride_block, "
         "int cache_stride_head, int num_blocks, float eps, float post_eps, float qk_eps, float scale, "
         "bool qk_norm, bool qkv_bias, Tensor(t!)? trace=None) -> ()");
-  m.def("xattn_sparse_attention(Tensor! out, Tensor query, Tensor key, Tensor value, Tensor item_p, Tensor item_j, "
-        "Tensor p_seq, Tensor p_qstart, Tensor p_len, Tensor p_ooff, Tensor kv_idx, Tensor kv_count, int stride_ot, "
-        "int stride_oh, int group, float qk_scale, bool causal) -> ()");
+  m.def("xattn_sparse_attention(Tensor! out, Tensor query, Tensor key, Tensor value, Tensor kv_idx, Tensor kv_count, "
+        "int stride_ob, int stride_ot, int stride_oh, int group, float qk_scale, bool causal) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CUDA, m) {

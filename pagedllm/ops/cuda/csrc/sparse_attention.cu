@@ -1,6 +1,6 @@
 // XAttention's block-sparse attention for Hopper (sm_90a): one thread block runs 128 query rows (one query block)
 // of one head over the key blocks listed for them (pagedllm/ops/xattention/sparse_attention.py builds the
-// lists and the work items). A producer warp streams Q once and each listed 128-key tile of K and V through a
+// lists). A producer warp streams Q once and each listed 128-key tile of K and V through a
 // two-stage ring with TMA; two consumer warpgroups (64 rows each) compute S = Q K^T and O += P V with wgmma
 // (K and V straight from the swizzled tiles, P from registers) and an exp2 online softmax. Only the last
 // listed block is masked (causal diagonal, ragged end). bf16, head 128.
@@ -28,16 +28,11 @@ constexpr int kSmem = kTile * (1 + 2 * kStages) + 1024;  // Q, the K and V rings
 
 struct SparseParams {
   __nv_bfloat16* out;
-  const int* item_p;  // work item -> plan entry and its query block
-  const int* item_j;
-  const int64_t* p_seq;  // plan entry -> batch index, first query position, sequence length, output offset
-  const int64_t* p_qstart;
-  const int64_t* p_len;
-  const int64_t* p_ooff;
-  const int* kv_idx;  // [P, H, q blocks, k blocks] ascending listed key blocks; kv_cnt [P, H, q blocks]
+  const int* kv_idx;  // [B, H, q blocks, k blocks] ascending listed key blocks; kv_cnt [B, H, q blocks]
   const int* kv_cnt;
-  int64_t stride_ot, stride_oh, stride_ip, stride_ih, stride_iq, stride_cp, stride_ch;
-  int heads, group;
+  int64_t stride_ob, stride_ot, stride_oh, stride_ip, stride_ih, stride_iq, stride_cp, stride_ch;
+  int heads, group, batch, q_blocks;
+  int q_start, seq_len;  // the queries are positions q_start .. seq_len - 1 of every batch entry's keys
   float qk_scale;  // softmax scale x log2(e)
   bool causal;
 };
@@ -126,11 +121,11 @@ __global__ void __launch_bounds__(384, 1)
   const int kvh = blockIdx.x / per_kv;
   const int item = blockIdx.x % per_kv / P.group;
   const int h = kvh * P.group + blockIdx.x % P.group;
-  const int p = P.item_p[item], j = P.item_j[item];
-  const int seq = (int)P.p_seq[p], q_start = (int)P.p_qstart[p], seq_len = (int)P.p_len[p];
+  const int seq = item % P.batch, j = P.q_blocks - 1 - item / P.batch;  // heaviest (latest) query blocks first
+  const int q_start = P.q_start, seq_len = P.seq_len;
   const int q0 = (q_start / kRows + j) * kRows;
-  const int* idx = P.kv_idx + p * P.stride_ip + h * P.stride_ih + (int64_t)j * P.stride_iq;
-  const int count = P.kv_cnt[p * P.stride_cp + h * P.stride_ch + j];
+  const int* idx = P.kv_idx + seq * P.stride_ip + h * P.stride_ih + (int64_t)j * P.stride_iq;
+  const int count = P.kv_cnt[seq * P.stride_cp + h * P.stride_ch + j];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
@@ -225,7 +220,7 @@ __global__ void __launch_bounds__(384, 1)
     l[r] = warp_sum_xor(l[r], 2, 1);
     l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
   }
-  const int64_t o_base = P.p_ooff[p] + h * P.stride_oh;
+  const int64_t o_base = seq * P.stride_ob + h * P.stride_oh;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int qpos = qpos0 + 8 * r;
@@ -275,26 +270,25 @@ CUtensorMap tensor_map(const at::Tensor& x, const char* name) {
 }  // namespace
 
 void xattn_sparse_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const at::Tensor& item_p, const at::Tensor& item_j, const at::Tensor& p_seq,
-                            const at::Tensor& p_qstart, const at::Tensor& p_len, const at::Tensor& p_ooff,
-                            const at::Tensor& kv_idx, const at::Tensor& kv_count, int64_t stride_ot, int64_t stride_oh,
-                            int64_t group, double qk_scale, bool causal) {
+                            const at::Tensor& kv_idx, const at::Tensor& kv_count, int64_t stride_ob, int64_t stride_ot,
+                            int64_t stride_oh, int64_t group, double qk_scale, bool causal) {
   const c10::cuda::CUDAGuard guard(query.device());
   int dev = query.get_device(), major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   TORCH_CHECK(major == 9, "xattn_sparse_attention needs a Hopper GPU (sm_90a), got compute capability ", major, ".x");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16, "xattn_sparse_attention: out must be bfloat16");
   TORCH_CHECK(qk_scale > 0, "xattn_sparse_attention: qk_scale must be positive, got ", qk_scale);
-  const int heads = (int)query.size(1);
-  SparseParams P{reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), item_p.data_ptr<int>(), item_j.data_ptr<int>(),
-                 p_seq.data_ptr<int64_t>(), p_qstart.data_ptr<int64_t>(), p_len.data_ptr<int64_t>(),
-                 p_ooff.data_ptr<int64_t>(), kv_idx.data_ptr<int>(), kv_count.data_ptr<int>(), stride_ot, stride_oh,
-                 kv_idx.stride(0), kv_idx.stride(1), kv_idx.stride(2), kv_count.stride(0), kv_count.stride(1), heads,
-                 (int)group, (float)qk_scale, causal};
+  const int heads = (int)query.size(1), batch = (int)query.size(0), q_blocks = (int)kv_count.size(2);
+  TORCH_CHECK(kv_count.dim() == 3 && kv_count.size(0) == batch && kv_count.size(1) == heads && kv_idx.dim() == 4,
+              "xattn_sparse_attention: kv_count must be [batch, heads, q blocks], got ", kv_count.sizes());
+  SparseParams P{reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), kv_idx.data_ptr<int>(), kv_count.data_ptr<int>(),
+                 stride_ob, stride_ot, stride_oh, kv_idx.stride(0), kv_idx.stride(1), kv_idx.stride(2),
+                 kv_count.stride(0), kv_count.stride(1), heads, (int)group, batch, q_blocks,
+                 (int)(key.size(2) - query.size(2)), (int)key.size(2), (float)qk_scale, causal};
   const CUtensorMap qm = tensor_map(query, "query"), km = tensor_map(key, "key"), vm = tensor_map(value, "value");
   // Per call, not once: the attribute belongs to the current device.
   C10_CUDA_CHECK(cudaFuncSetAttribute(xattn_sparse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const int64_t grid = item_p.size(0) * heads;
+  const int64_t grid = (int64_t)batch * q_blocks * heads;
   if (grid == 0) return;
   xattn_sparse_kernel<<<grid, 384, kSmem, c10::cuda::getCurrentCUDAStream()>>>(qm, km, vm, P);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
