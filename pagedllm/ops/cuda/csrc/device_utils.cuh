@@ -156,6 +156,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+// 2^x in one MUFU.EX2: exp2f also rescales inputs whose result would be subnormal (three more instructions), which
+// softmax weights below 2^-126 do not need.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float warp_max_xor(float v, int from_mask, int to_mask) {
   for (int m = from_mask; m >= to_mask; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;

@@ -2,13 +2,16 @@
 // of one head over the key blocks listed for them (pagedllm/ops/xattention/sparse_attention.py builds the
 // lists). A producer warp streams Q once and each listed 128-key tile of K and V through a
 // two-stage ring with TMA; two consumer warpgroups (64 rows each) compute S = Q K^T and O += P V with wgmma
-// (K and V straight from the swizzled tiles, P from registers) and an exp2 online softmax. Only the last
-// listed block is masked (causal diagonal, ragged end). bf16, head 128.
+// (K and V straight from the swizzled tiles, P from registers) and an exp2 online softmax whose reference
+// moves only when a row max passes it by 2^8. Only the last listed block is masked (causal diagonal, ragged
+// end). bf16, head 128.
 //
-// Measured on the H100 (benchmarks/results/README.md, 21st session): its kernel time 0-13% below the Triton kernel's
-// at 5-50% density, ~30% on a 4K prompt. Issuing tile t's Q K^T with tile t-1's P V (FA3's intra-warpgroup
-// overlap), with or without the warpgroups taking turns, was slower (the ring's stage is then freed a tile
-// later, so the next tile's copy starts later).
+// Measured on the H100 (benchmarks/results/README.md, 21st and 22nd sessions): its kernel time 0-13% below the
+// Triton kernel's at 5-50% density, ~30% on a 4K prompt; the tensor pipe busy 63% of the cycles at 128K.
+// Slower, tried and dropped: issuing tile t's Q K^T with tile t-1's P V (FA3's intra-warpgroup overlap), with or
+// without the warpgroups taking turns; freeing K and V stages apart; three stages (+0-3%, noise); a persistent
+// grid (a block per SM taking every SM-th unit: 0-40% slower); a quarter or more of the exponentials as an FMA
+// polynomial (up to 8% slower: the softmax is not bound by MUFU).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -185,26 +188,37 @@ __global__ void __launch_bounds__(384, 1)
         if (key >= seq_len || (P.causal && key > qpos0 + 8 * ((i / 2) % 2))) sacc[i] = -INFINITY;
       }
     }
-    float mx[2] = {-INFINITY, -INFINITY}, alpha[2];
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < 64; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], sacc[i]);
+    // m is the exponent's reference, not always the row max: it moves (and O and l are rescaled) only when the
+    // max passes it by more than 8, so P stays below 2^8 and most tiles skip the rescale.
+    float m_new[2];
+    bool grow = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // a row's 128 columns lie on the 4 lanes of a quad
       mx[r] = warp_max_xor(mx[r], 2, 1);
-      const float m_new = fmaxf(m[r], mx[r] * P.qk_scale);  // the scale is positive: it commutes with max
-      alpha[r] = exp2f(m[r] - m_new);
-      m[r] = m_new;
-      l[r] *= alpha[r];
+      m_new[r] = fmaxf(m[r], mx[r] * P.qk_scale);  // the scale is positive: it commutes with max
+      grow |= m_new[r] > m[r] + 8.f;
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        alpha[r] = exp2_ftz(m[r] - m_new[r]);
+        m[r] = m_new[r];
+        l[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int i = 0; i < 64; ++i) o[i] *= alpha[(i / 2) % 2];
     }
     uint32_t pa[8][4];  // P as wgmma's A fragments, one per 16 keys: the accumulator layout, packed in pairs
 #pragma unroll
     for (int i = 0; i < 64; i += 2) {
       const int r = (i / 2) % 2;
-      const float p0 = exp2f(sacc[i] * P.qk_scale - m[r]), p1 = exp2f(sacc[i + 1] * P.qk_scale - m[r]);
+      const float p0 = exp2_ftz(sacc[i] * P.qk_scale - m[r]), p1 = exp2_ftz(sacc[i + 1] * P.qk_scale - m[r]);
       l[r] += p0 + p1;
       pa[i / 8][(i % 8) / 2] = pack2<__nv_bfloat16>(p0, p1);
-      o[i] *= alpha[r];
-      o[i + 1] *= alpha[r];
     }
     mbar_wait(&v_full[s], parity);
     wgmma_fence();
