@@ -52,23 +52,43 @@ SMOKE_LENGTHS = [512, 1024]
 SMOKE_LAYERS = 4  # reference ops on CPU: a few layers exercise every code path
 
 
+def bench_many(fns, reps, device, rounds=2, warm_ms=200):
+    """Median time in ms of each function of the dict fns, on the GPU by CUDA events. Each is timed in its own
+    steady state, as triton.testing.do_bench times: ~warm_ms of calls first (one on the CPU), then ``reps``
+    timed calls back to back. The functions take turns, ``rounds`` times over, and each median is over all its
+    rounds. On the H100 long calls run into the 700 W power cap (dense SDPA at 128K at 1.3-1.7 GHz instead of
+    1.98): a call timed right after another function's heavy calls starts at the clock they left."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            until = time.perf_counter() + (warm_ms / 1e3 if device.type == "cuda" else 0)
+            fn()
+            _sync(device)
+            while time.perf_counter() < until:
+                fn()
+                _sync(device)
+            for _ in range(reps):
+                if device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    torch.cuda.synchronize()
+                    times[name].append(start.elapsed_time(end))
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def bench_ms(fn, reps, device):
-    """Median time of fn in ms after one warm-up call (which also compiles); CUDA events on the GPU."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return bench_many({"fn": fn}, reps, device, rounds=1)["fn"]
 
 
 def repetitions(n, smoke):
@@ -104,35 +124,49 @@ def kv_bytes(mask):
 
 def random_data_rows(estimate, lengths, strides, selections, densities, head_masks, sections, reps, device, dtype):
     """Rows of sections (a) and (b) on random Q/K/V of the 32/8-head, head-128 shape; ``estimate`` is
-    xattn_estimate with the run's options."""
+    xattn_estimate with the run's options. Per length, dense SDPA and the XAttention calls take turns
+    (bench_many)."""
     rows_a, rows_b = [], []
     for n in lengths:
         q = torch.randn(1, HEADS, n, HEAD_DIM, device=device, dtype=dtype)
         k = torch.randn(1, KV_HEADS, n, HEAD_DIM, device=device, dtype=dtype)
         v = torch.randn_like(k)
         k_rep, v_rep = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
-        dense = bench_ms(lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True), reps(n), device)
-        k_rep = v_rep = None  # free the repeated copies before the sparse runs
+        fns = {"dense": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True)}
         # (b) adds each stride's estimate time, so (a) runs whenever (b) does
-        est_ms = {}
-        for stride, share in ((st, sh) for st in strides for sh in selections):
-            mask, density = estimate(q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share)
-            est = bench_ms(lambda: estimate(q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share), reps(n), device)
-            est_ms.setdefault(stride, est)  # (b) adds the first selection's
-            sparse = bench_ms(lambda: xa.block_sparse_attention(q, k, v, mask, BLOCK), reps(n), device)
-            rows_a.append(dict(seq_len=n, stride=stride, share_kv_heads=share, dense_ms=dense, estimate_ms=est,
-                               sparse_ms=sparse, density=float(density), speedup=dense / (est + sparse)))
-            print(f"(a) {n} stride {stride} {SELECTION[share]}: dense {dense:.2f} ms, estimate {est:.2f} ms, "
-                  f"sparse {sparse:.2f} ms, density {float(density):.3f}", flush=True)
+        configs = [(st, sh) for st in strides for sh in selections]
+        density = {}
+        for stride, share in configs:
+            est = functools.partial(estimate, q, k, BLOCK, stride, THRESHOLD, share_kv_heads=share)
+            mask, density[stride, share] = est()
+            fns["estimate", stride, share] = est
+            fns["sparse", stride, share] = functools.partial(xa.block_sparse_attention, q, k, v, mask, BLOCK)
+            # both in one call, as a prefill runs them: the host prepares the attention while the estimate's
+            # kernels run
+            fns["together", stride, share] = lambda est=est: xa.block_sparse_attention(q, k, v, est()[0], BLOCK)
+        b_masks = {}
         if "b" in sections:
             for d, kind in ((d, kind) for d in densities for kind in head_masks):
-                mask = random_mask(n, d, seed=n, device=device, head_masks=kind)
-                sparse = bench_ms(lambda: xa.block_sparse_attention(q, k, v, mask, BLOCK), reps(n), device)
-                rows_b.append(dict(seq_len=n, target_density=d, head_masks=kind, density=causal_density(mask),
-                                   sparse_ms=sparse, kv_tb_per_s=kv_bytes(mask) / sparse / 1e9,
-                                   dense_ms=dense, speedup_sparse=dense / sparse,
-                                   speedup_with_estimate={st: dense / (sparse + t) for st, t in est_ms.items()}))
-        q = k = v = mask = None  # free this length's tensors before the next one is allocated
+                b_masks[d, kind] = random_mask(n, d, seed=n, device=device, head_masks=kind)
+                fns["b", d, kind] = functools.partial(xa.block_sparse_attention, q, k, v, b_masks[d, kind], BLOCK)
+        t = bench_many(fns, reps(n), device)
+        dense = t["dense"]
+        for stride, share in configs:
+            est, sparse, both = (t[name, stride, share] for name in ("estimate", "sparse", "together"))
+            rows_a.append(dict(seq_len=n, stride=stride, share_kv_heads=share, dense_ms=dense, estimate_ms=est,
+                               sparse_ms=sparse, density=float(density[stride, share]), speedup=dense / (est + sparse),
+                               together_ms=both, speedup_together=dense / both))
+            print(f"(a) {n} stride {stride} {SELECTION[share]}: dense {dense:.2f} ms, estimate {est:.2f} ms, "
+                  f"sparse {sparse:.2f} ms, together {both:.2f} ms, density {float(density[stride, share]):.3f}",
+                  flush=True)
+        est_ms = {st: t["estimate", st, selections[0]] for st in strides}  # (b) adds the first selection's
+        for (d, kind), mask in b_masks.items():
+            sparse = t["b", d, kind]
+            rows_b.append(dict(seq_len=n, target_density=d, head_masks=kind, density=causal_density(mask),
+                               sparse_ms=sparse, kv_tb_per_s=kv_bytes(mask) / sparse / 1e9,
+                               dense_ms=dense, speedup_sparse=dense / sparse,
+                               speedup_with_estimate={st: dense / (sparse + e) for st, e in est_ms.items()}))
+        q = k = v = k_rep = v_rep = mask = fns = b_masks = None  # free this length's tensors before the next one's
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows_a, rows_b
@@ -174,11 +208,13 @@ def print_random_tables(rows_a, rows_b, strides, device_name, dtype, estimate_na
     if rows_a:
         print(f"\n## (a) XAttention vs dense causal SDPA ({device_name}, {HEADS}/{KV_HEADS} heads, head "
               f"{HEAD_DIM}, {dtype}, block {BLOCK}, threshold {THRESHOLD}, {estimate_name}, random data)\n")
-        print("| seq len | stride | selection | dense SDPA ms | estimate ms | sparse attn ms | density | speedup |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| seq len | stride | selection | dense SDPA ms | estimate ms | sparse attn ms | density | speedup | "
+              "both in one call ms | its speedup |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows_a:
             print(f"| {r['seq_len']} | {r['stride']} | {SELECTION[r['share_kv_heads']]} | {r['dense_ms']:.2f} | "
-                  f"{r['estimate_ms']:.2f} | {r['sparse_ms']:.2f} | {r['density']:.3f} | {r['speedup']:.2f}x |")
+                  f"{r['estimate_ms']:.2f} | {r['sparse_ms']:.2f} | {r['density']:.3f} | {r['speedup']:.2f}x | "
+                  f"{r['together_ms']:.2f} | {r['speedup_together']:.2f}x |")
     if rows_b:
         print("\n## (b) Sparse attention at fixed densities (random masks); speedup over dense SDPA of the "
               "attention alone and with each stride's estimate (from (a)) added\n")
