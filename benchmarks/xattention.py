@@ -18,7 +18,9 @@
     per layer and overall, and estimate + sparse attention vs dense causal SDPA summed over all layers.
     SmolLM2's context is 8K, so real densities exist here for 2K-8K only: the script prints how they move
     with length and which (b) rows they point at; 64K/128K on real data is not measured.
-Dense SDPA gets K/V already repeated to the query heads (outside the timing), the fastest dense baseline.
+Dense SDPA gets K/V already repeated to the query heads (outside the timing), the fastest dense baseline. Each op
+is timed in its own steady state, dense SDPA and the XAttention calls of a length taking turns (bench_many); (a)
+also times the estimate and the sparse attention in one call, as a prefill runs them.
 Prints markdown tables and writes one JSON (date, device, versions, all rows) to --out: a .json path, or a
 directory (default benchmarks/results/) that receives xattention_<date>.json.
 
