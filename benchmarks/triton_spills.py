@@ -35,9 +35,8 @@ def _desc(*block, elem="bf16"):
 def _sparse():
     cfg = sparse_attention.GPU_CONFIG
     kv = _desc(1, 1, cfg["block_n"], HEAD)
-    types = dict(Q=_desc(1, 1, cfg["block_m"], HEAD), O="*bf16", K=kv, V=kv, ITEM_P="*i32", ITEM_J="*i32",
-                 P_SEQ="*i64", P_QSTART="*i64", P_LEN="*i64", P_OOFF="*i64", KV_IDX="*i32",
-                 KV_CNT="*i32", qk_scale="fp32")
+    types = dict(Q=_desc(1, 1, cfg["block_m"], HEAD), O="*bf16", K=kv, V=kv, KV_IDX="*i32", KV_CNT="*i32",
+                 qk_scale="fp32")
     consts = dict(BLOCK_SIZE=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD=HEAD, HEAD_PAD=HEAD,
                   CAUSAL=True, DOT_PREC="tf32")
     return sparse_attention._sparse_attn_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
