@@ -10,8 +10,9 @@ sequence's context out of the cache (the estimate needs its K token-major anyway
 the same kernel ran ~1.5x slower (results README).
 
 A small kernel first turns each mask row into its list of visible selected key blocks. Query blocks are
-handed out heaviest (latest block) first, so the long causal rows start early. The grid runs one kv head after another (its query heads side by side), so the blocks the
-running programs read are one kv head's and come from the L2 after their first read.
+handed out heaviest (latest block) first, so the long causal rows start early. The grid runs one kv head
+after another (its query heads side by side), so the blocks the running programs read are one kv head's and
+come from the L2 after their first read.
 
 With the CUDA ops backend (``PAGEDLLM_OPS_BACKEND=cuda``) on Hopper, bf16 with head 128 and 128-token blocks run
 a CUDA twin of this kernel on the same lists (``csrc/sparse_attention.cu``: a TMA producer warp and
@@ -68,7 +69,8 @@ def _attend(q, m_i, l_i, acc, start, q0, seq, seq_len, K, V, kvh, qk_scale, BLOC
 # Strides that follow each batch's mask shape: not specialised on, so a new batch does not compile a new
 # variant. Positions are int32 and per-row values are recomputed after the loops rather than kept live across
 # them: the kernel sits at the 255-register limit (a live int64 row index once made it spill).
-@triton.jit(do_not_specialize=["q_blocks", "q_start", "seq_len", "stride_ob", "stride_ip", "stride_ih", "stride_iq", "stride_cp", "stride_ch"])
+@triton.jit(do_not_specialize=["q_blocks", "q_start", "seq_len", "stride_ob", "stride_ip", "stride_ih", "stride_iq",
+                               "stride_cp", "stride_ch"])
 def _sparse_attn_kernel(
     Q, O, K, V, KV_IDX, KV_CNT, stride_ob, stride_ot, stride_oh, stride_ip, stride_ih, stride_iq, stride_cp,
     stride_ch, H, GROUP, num_p, q_blocks, q_start, seq_len, qk_scale,

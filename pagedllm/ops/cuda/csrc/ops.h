@@ -58,7 +58,7 @@ void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual
                      double scale, bool qk_norm, bool qkv_bias, const std::optional<at::Tensor>& trace);
 
 // XAttention's block-sparse attention on Hopper (sparse_attention.cu): query/key/value [batch, heads, len, 128]
-// bf16; the work items, plan and listed key blocks as pagedllm/ops/xattention/sparse_attention.py builds them.
+// bf16; the listed key blocks as pagedllm/ops/xattention/sparse_attention.py builds them.
 void xattn_sparse_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& kv_idx, const at::Tensor& kv_count, int64_t stride_ob, int64_t stride_ot,
                             int64_t stride_oh, int64_t group, double qk_scale, bool causal);

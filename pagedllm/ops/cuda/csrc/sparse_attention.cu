@@ -10,7 +10,8 @@
 // Triton kernel's at 5-50% density, ~30% on a 4K prompt; the tensor pipe busy 63% of the cycles at 128K.
 // Slower, tried and dropped: issuing tile t's Q K^T with tile t-1's P V (FA3's intra-warpgroup overlap), with or
 // without the warpgroups taking turns; freeing K and V stages apart; three stages (+0-3%, noise); a persistent
-// grid (a block per SM taking every SM-th unit: 0-40% slower); a quarter or more of the exponentials as an FMA
+// grid (a block per SM taking every SM-th unit: 0-40% slower); two or more consecutive units a block, the next
+// one's Q loaded during the current one (within noise); a quarter or more of the exponentials as an FMA
 // polynomial (2-10% slower at 64K-128K: the softmax is not bound by MUFU).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
