@@ -1,18 +1,19 @@
 // XAttention's block-sparse attention for Hopper (sm_90a): one thread block runs 128 query rows (one query block)
 // of one head over the key blocks listed for them (pagedllm/ops/xattention/sparse_attention.py builds the
-// lists). A producer warp streams Q once and each listed 128-key tile of K and V through a
-// two-stage ring with TMA; two consumer warpgroups (64 rows each) compute S = Q K^T and O += P V with wgmma
-// (K and V straight from the swizzled tiles, P from registers) and an exp2 online softmax whose reference
-// moves only when a row max passes it by 2^8. Only the last listed block is masked (causal diagonal, ragged
-// end). bf16, head 128.
+// lists). A producer warp streams Q once and each listed 128-key tile of K and V through a three-stage ring with
+// TMA; two consumer warpgroups (64 rows each) compute S = Q K^T and O += P V with wgmma (K and V straight from
+// the swizzled tiles, P from registers), issuing tile t+1's Q K^T with tile t's P V so that the exp2 online
+// softmax of one runs while the other is on the tensor cores (FA3's intra-warpgroup overlap). The softmax's
+// reference moves only when a row max passes it by 2^8. Only the last listed block is masked (causal diagonal,
+// ragged end). bf16, head 128.
 //
 // Measured on the H100 (benchmarks/results/README.md, 21st and 22nd sessions): its kernel time 0-13% below the
-// Triton kernel's at 5-50% density, ~30% on a 4K prompt; the tensor pipe busy 63% of the cycles at 128K.
-// Slower, tried and dropped: issuing tile t's Q K^T with tile t-1's P V (FA3's intra-warpgroup overlap), with or
-// without the warpgroups taking turns; freeing K and V stages apart; three stages (+0-3%, noise); a persistent
-// grid (a block per SM taking every SM-th unit: 0-40% slower); two or more consecutive units a block, the next
-// one's Q loaded during the current one (within noise); a quarter or more of the exponentials as an FMA
-// polynomial (2-10% slower at 64K-128K: the softmax is not bound by MUFU).
+// Triton kernel's at 5-50% density, ~30% on a 4K prompt; the tensor pipe busy 63% of the cycles at 128K before
+// the overlap, which then took 3-8% off. Tried and dropped: the overlap with a two-stage ring (a stage is freed
+// a tile later: slower), the warpgroups taking turns on named barriers, freeing K and V stages apart, a
+// persistent grid (a block per SM taking every SM-th unit: 0-40% slower), two or more consecutive units a block
+// with the next one's Q loaded during the current one (within noise), a quarter or more of the exponentials as
+// an FMA polynomial (2-10% slower at 64K-128K: the softmax is not bound by MUFU).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -25,7 +26,7 @@
 namespace pagedllm {
 namespace {
 
-constexpr int kRows = 128, kKeys = 128, kHead = 128, kStages = 2;
+constexpr int kRows = 128, kKeys = 128, kHead = 128, kStages = 3;
 constexpr int kBox = 128 * 64 * 2;  // one TMA box: 128 rows x 64 channels of bf16 (the 128-byte swizzle's width)
 constexpr int kTile = 2 * kBox;     // 128 rows x 128 channels
 constexpr int kSmem = kTile * (1 + 2 * kStages) + 1024;  // Q, the K and V rings; 1024 for the swizzle alignment
@@ -64,6 +65,7 @@ __device__ __forceinline__ uint64_t desc_n_major(const void* p) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // The compiler sees the asynchronous MMAs' accumulators as written when issued: keep reads after the wait.
 __device__ __forceinline__ void reg_fence(float (&d)[64]) {
 #pragma unroll
@@ -109,6 +111,51 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
 }
 #undef PAGEDLLM_WGMMA_ACC
 #endif
+
+// The online softmax of one S tile (this thread's two rows): masked if it is the last listed block, moves the
+// exponent's reference m only when a row max passes it by more than 8 (P then stays below 2^8, and most tiles
+// skip rescaling O), adds P to l and packs it as wgmma A fragments (one per 16 keys). Returns whether O must be
+// multiplied by alpha (the same for the whole warp).
+template <bool kMasked>
+__device__ __forceinline__ bool softmax_tile(const float (&sacc)[64], uint32_t (&pa)[8][4], float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2], float qk_scale, int key0, int seq_len,
+                                             bool causal, int qpos0, int lane) {
+  // S is read, never written: with MMAs in flight, writing an accumulator makes ptxas serialize them, and a
+  // masked copy would not fit in the registers beside O and the two P sets
+  auto x = [&](int i) {
+    const int key = key0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+    return kMasked && (key >= seq_len || (causal && key > qpos0 + 8 * ((i / 2) % 2))) ? -INFINITY : sacc[i];
+  };
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int i = 0; i < 64; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], x(i));
+  bool grow = false;
+  float m_new[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // a row's 128 columns lie on the 4 lanes of a quad
+    mx[r] = warp_max_xor(mx[r], 2, 1);
+    m_new[r] = fmaxf(m[r], mx[r] * qk_scale);  // the scale is positive: it commutes with max
+    grow |= m_new[r] > m[r] + 8.f;
+  }
+  grow = __any_sync(0xffffffffu, grow);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    alpha[r] = 1.f;
+    if (grow) {
+      alpha[r] = exp2_ftz(m[r] - m_new[r]);
+      m[r] = m_new[r];
+      l[r] *= alpha[r];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const int r = (i / 2) % 2;
+    const float p0 = exp2_ftz(x(i) * qk_scale - m[r]), p1 = exp2_ftz(x(i + 1) * qk_scale - m[r]);
+    l[r] += p0 + p1;
+    pa[i / 8][(i % 8) / 2] = pack2<__nv_bfloat16>(p0, p1);
+  }
+  return grow;
+}
 
 __global__ void __launch_bounds__(384, 1)
     xattn_sparse_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -166,12 +213,19 @@ __global__ void __launch_bounds__(384, 1)
   float o[64], sacc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  reg_fence(o);  // zeroed here, not among the first MMAs
   float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};  // finite start: a row with nothing seen needs no guard
   mbar_wait(&q_full, 0);
-  for (int t = 0; t < count; ++t) {
+  // FA3's intra-warpgroup overlap: tile t+1's Q K^T is issued with tile t's P V, and tile t+1's softmax runs while
+  // P V is on the tensor cores; O is rescaled once P V is done. P alternates between two register sets, pa and pb
+  // (copying one into the other made ptxas serialize every wgmma), so a unit with an odd number of tiles runs its
+  // first tile alone.
+  uint32_t pa[8][4], pb[8][4];
+  float alpha[2];
+  const float qk_scale = P.qk_scale;
+  auto issue_s = [&](int t) {  // S = Q K^T of tile t into sacc
     const int s = t % kStages;
-    const uint32_t parity = (t / kStages) & 1;
-    mbar_wait(&k_full[s], parity);
+    mbar_wait(&k_full[s], (t / kStages) & 1);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {  // 16 channels a step; steps 4-7 in the second box
@@ -179,56 +233,64 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_ss(sacc, desc_k_major(sq + off + wg * 64 * 128), desc_k_major(sk + s * kTile + off), kk > 0);
     }
     wgmma_commit();
-    wgmma_wait();
-    reg_fence(sacc);
-    if (t == count - 1) {  // the last listed block: causal diagonal and/or the ragged end
-      const int key0 = idx[t] * kKeys;
+  };
+  auto issue_pv = [&](int t, const uint32_t (&p)[8][4]) {  // O += P V of tile t
+    const int s = t % kStages;
+    mbar_wait(&v_full[s], (t / kStages) & 1);
+    wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        const int key = key0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-        if (key >= seq_len || (P.causal && key > qpos0 + 8 * ((i / 2) % 2))) sacc[i] = -INFINITY;
-      }
-    }
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int i = 0; i < 64; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], sacc[i]);
-    // m is the exponent's reference, not always the row max: it moves (and O and l are rescaled) only when the
-    // max passes it by more than 8, so P stays below 2^8 and most tiles skip the rescale.
-    float m_new[2];
-    bool grow = false;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // a row's 128 columns lie on the 4 lanes of a quad
-      mx[r] = warp_max_xor(mx[r], 2, 1);
-      m_new[r] = fmaxf(m[r], mx[r] * P.qk_scale);  // the scale is positive: it commutes with max
-      grow |= m_new[r] > m[r] + 8.f;
-    }
-    if (__any_sync(0xffffffffu, grow)) {
-      float alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        alpha[r] = exp2_ftz(m[r] - m_new[r]);
-        m[r] = m_new[r];
-        l[r] *= alpha[r];
-      }
+    for (int ks = 0; ks < 8; ++ks) wgmma_rs(o, p[ks], desc_n_major(sv + s * kTile + ks * 16 * 128));
+    wgmma_commit();
+  };
+  auto rescale = [&](bool grow) {  // the softmax's rescale of O, if it moved m
+    if (grow) {
 #pragma unroll
       for (int i = 0; i < 64; ++i) o[i] *= alpha[(i / 2) % 2];
     }
-    uint32_t pa[8][4];  // P as wgmma's A fragments, one per 16 keys: the accumulator layout, packed in pairs
-#pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      const int r = (i / 2) % 2;
-      const float p0 = exp2_ftz(sacc[i] * P.qk_scale - m[r]), p1 = exp2_ftz(sacc[i + 1] * P.qk_scale - m[r]);
-      l[r] += p0 + p1;
-      pa[i / 8][(i % 8) / 2] = pack2<__nv_bfloat16>(p0, p1);
-    }
-    mbar_wait(&v_full[s], parity);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) wgmma_rs(o, pa[ks], desc_n_major(sv + s * kTile + ks * 16 * 128));
-    wgmma_commit();
+    reg_fence(o);  // the rescale lands here, not among the next tile's MMAs
+  };
+  auto finish_pv = [&](int t, bool grow) {  // wait for tile t's P V, free its stage, then rescale
     wgmma_wait();
     reg_fence(o);
-    if (lane == 0) mbar_arrive(&empty[s]);
+    if (lane == 0) mbar_arrive(&empty[t % kStages]);
+    rescale(grow);
+  };
+  // With P(t) in cur: S(t+1) and P V(t) issued together, P(t+1) into next. Only the unit's last step meets its last
+  // (masked) tile.
+  auto step = [&](auto last, int t, const uint32_t (&cur)[8][4], uint32_t (&next)[8][4]) {
+    issue_s(t + 1);
+    issue_pv(t, cur);
+    wgmma_wait1();
+    reg_fence(sacc);
+    finish_pv(t, softmax_tile<decltype(last)::value>(sacc, next, m, l, alpha, qk_scale, idx[t + 1] * kKeys, seq_len,
+                                                      P.causal, qpos0, lane));
+  };
+  if (count & 1) {  // tile 0 alone
+    issue_s(0);
+    wgmma_wait();
+    reg_fence(sacc);
+    const bool grow = count == 1 ? softmax_tile<true>(sacc, pa, m, l, alpha, qk_scale, idx[0] * kKeys, seq_len,
+                                                      P.causal, qpos0, lane)
+                                 : softmax_tile<false>(sacc, pa, m, l, alpha, qk_scale, 0, seq_len, P.causal, qpos0,
+                                                       lane);
+    rescale(grow);
+    issue_pv(0, pa);
+    finish_pv(0, false);
+  }
+  if (count > 1) {  // an even number of tiles from t0 on
+    const int t0 = count & 1;
+    issue_s(t0);
+    wgmma_wait();
+    reg_fence(sacc);
+    rescale(softmax_tile<false>(sacc, pa, m, l, alpha, qk_scale, 0, seq_len, P.causal, qpos0, lane));
+    int t = t0;
+    for (; t + 2 < count; t += 2) {
+      step(std::false_type(), t, pa, pb);
+      step(std::false_type(), t + 1, pb, pa);
+    }
+    step(std::true_type(), t, pa, pb);
+    issue_pv(t + 1, pb);
+    finish_pv(t + 1, false);
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -301,10 +363,10 @@ void xattn_sparse_attention(at::Tensor& out, const at::Tensor& query, const at::
                  kv_count.stride(0), kv_count.stride(1), heads, (int)group, batch, q_blocks,
                  (int)(key.size(2) - query.size(2)), (int)key.size(2), (float)qk_scale, causal};
   const CUtensorMap qm = tensor_map(query, "query"), km = tensor_map(key, "key"), vm = tensor_map(value, "value");
-  // Per call, not once: the attribute belongs to the current device.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(xattn_sparse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int64_t grid = (int64_t)batch * q_blocks * heads;
   if (grid == 0) return;
+  // Per call, not once: the attribute belongs to the current device.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(xattn_sparse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   xattn_sparse_kernel<<<grid, 384, kSmem, c10::cuda::getCurrentCUDAStream()>>>(qm, km, vm, P);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
