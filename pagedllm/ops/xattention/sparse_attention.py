@@ -15,8 +15,9 @@ after another (its query heads side by side), so the blocks the running programs
 come from the L2 after their first read.
 
 With the CUDA ops backend (``PAGEDLLM_OPS_BACKEND=cuda``) on Hopper, bf16 with head 128 and 128-token blocks run
-a CUDA twin of this kernel on the same lists (``csrc/sparse_attention.cu``: a TMA producer warp and
-wgmma; on the H100 0-13% less kernel time at 5-50% density, results README).
+a CUDA twin of this kernel on the same lists (``csrc/sparse_attention.cu``: a TMA producer warp, wgmma, and
+FA3's overlap of one tile's softmax with the next tile's MMAs; on the H100 at 64K-128K and 5-20% density 14-19%
+less time than this kernel, in two visits: results README).
 """
 import math
 
