@@ -7,10 +7,10 @@
 // reference moves only when a row max passes it by 2^8. Only the last listed block is masked (causal diagonal,
 // ragged end). bf16, head 128.
 //
-// Measured on the H100 (benchmarks/results/README.md, 21st and 22nd sessions): its kernel time 0-13% below the
-// Triton kernel's at 5-50% density, ~30% on a 4K prompt; the tensor pipe busy 63% of the cycles at 128K before
-// the overlap, which then took 3-8% off. Tried and dropped: the overlap with a two-stage ring (a stage is freed
-// a tile later: slower), the warpgroups taking turns on named barriers, freeing K and V stages apart, a
+// Measured on the H100 (benchmarks/results/README.md, 21st and 22nd sessions): 14-19% less time than the Triton
+// kernel at 64K-128K and 5-20% density (two visits); the overlap took 5-14% off (same visit), where the tensor
+// pipe had been busy 63% of the cycles at 128K. Tried and dropped: the overlap with a two-stage ring (a stage is
+// freed a tile later: slower), the warpgroups taking turns on named barriers, freeing K and V stages apart, a
 // persistent grid (a block per SM taking every SM-th unit: 0-40% slower), two or more consecutive units a block
 // with the next one's Q loaded during the current one (within noise), a quarter or more of the exponentials as
 // an FMA polynomial (2-10% slower at 64K-128K: the softmax is not bound by MUFU).
