@@ -115,6 +115,25 @@ def test_block_sparse_attention_matches_reference(q_len, k_len, sparse_backend):
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_block_sparse_attention_non_causal_with_empty_rows(sparse_backend):
+    """Without causality every listed block is visible, the last one masked only at the ragged end; a query
+    block with no block listed gives zeros. Half the rows list an odd number of blocks (the CUDA kernel runs such
+    a row's first block on its own before overlapping the rest)."""
+    q_len, k_len = 1000, 2000
+    q, k, v = _qkv(q_len, k_len, seed=7)
+    first, q_blocks, k_blocks = ref.block_layout(q_len, k_len, 128)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    mask = torch.rand(1, H, q_blocks, k_blocks, device="cuda", generator=g) < 0.5
+    mask[0, 0, 2] = False
+    counts = mask.sum(-1)
+    assert (counts % 2 == 1).any() and (counts[counts > 0] % 2 == 0).any()
+    out = xa.block_sparse_attention(q, k, v, mask, causal=False)
+    want = ref.block_sparse_attention(q, k, v, mask, causal=False)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    rows = slice((first + 2) * 128 - (k_len - q_len), (first + 3) * 128 - (k_len - q_len))
+    assert torch.all(out[0, 0, rows] == 0)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head", [(9, 3, 64), (4, 2, 96)])
 def test_block_sparse_attention_other_heads_match_reference(heads, kv_heads, head):
     """SmolLM2's shape (benchmarks/xattention.py's real data) and a head size padded to a power of two (the
