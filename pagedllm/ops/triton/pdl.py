@@ -47,9 +47,9 @@ def options(x: torch.Tensor) -> dict:
 @triton.jit
 def start(PDL: tl.constexpr):
     """At the top of a kernel that needs its predecessor's results from the start: let the next kernel launch,
-    then wait for the previous one. The next kernel's programs then sit resident and waiting beside this one's for
-    its whole run: for short kernels. The paged decode kernel lost 4-20% of its bandwidth that way on the H100, so
-    it lets the next kernel launch only after its K/V loop."""
+    then wait for the previous one. Meant for short kernels: the next kernel's programs sit resident and waiting
+    beside this one's for its whole run. The paged decode kernel lost 4-20% of its bandwidth that way on the H100,
+    so it lets the next kernel launch only after its K/V loop."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
