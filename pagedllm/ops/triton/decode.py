@@ -14,15 +14,18 @@ from pagedllm.ops.reference import PARTITION_SIZE  # v2 partitions; the v2 works
 from . import _host, pdl
 from .paged_tile import LN2, LOG2E, attend_range, load_scale
 
-# Split-K choice, from benchmarks/triton_tuning.py on the H100 ("hnd" cache, bf16, head 128, tile 64/2 warps):
-# (sequence, kv head) programs alone fill the GPU from 2 per SM; below that, splitting toward 4 per SM pays.
-# Partitions have a floor that grows with the work (programs x context, in head-tokens): big decodes want
-# >= 1024 tokens (shorter ones lose more to their fixed cost and the reduce than they gain: 1 x 32K runs at
-# 2.33 TB/s with 1024, 1.86 with 256; 16 x 4K at 2.71 with 4 x 1024, 2.40 with 5 x 832), while small
-# latency-bound ones want them short (1 x 1K: 9 us with 128 tokens, 22 us in one pass).
-_SINGLE_PASS_PROGRAMS_PER_SM = 2
+# Split-K choice, from sweeps on the H100 ("hnd" cache, bf16, head 128, tile 64/2 warps; benchmarks/results,
+# decode_split_sweep_h100_20261124.log, 68 shapes). (sequence, kv head) programs alone do as well as any split
+# from 1.25 per SM (24 x 8 pairs at 1K: 2.44 TB/s in one pass, 2.18 in two); below that, splitting up to 4 per
+# SM pays, and not past it (16 x 4K: 2.74 with 4 x 1024 tokens; 5 x 832, a second wave, was 12% slower). Partitions
+# have a floor that grows with the work (programs x context, in head-tokens) up to 512 tokens: shorter ones
+# lose more to their fixed cost and the reduce than they gain (1 x 32K: 2.31 with 512, 1.86 with 256), a
+# 1024-token floor kept 8 x 4K / 4 x 8K / 2 x 16K at 2.25-2.31 where 512 gives 2.45-2.51, and small
+# latency-bound decodes want them short (1 x 1K: 9 us with 128 tokens, 22 us in one pass; 1 x 8K: 1.90 with
+# 256, 1.63 with 512).
+_SINGLE_PASS_PROGRAMS_PER_SM = 1.25
 _TARGET_PROGRAMS_PER_SM = 4
-_SPLIT_FLOOR_TOKENS = (128, 1024)
+_SPLIT_FLOOR_TOKENS = (128, 512)
 _SPLIT_FLOOR_WORK = 256  # head-tokens of work per token of floor
 
 
@@ -232,7 +235,7 @@ def split_plan(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     if programs >= _SINGLE_PASS_PROGRAMS_PER_SM * num_sms:
         return 1, tiles * block_n
-    want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, programs)
+    want = max(1, _TARGET_PROGRAMS_PER_SM * num_sms // programs)
     low, high = _SPLIT_FLOOR_TOKENS
     floor = min(max(programs * max_seq_len // _SPLIT_FLOOR_WORK, low), high)
     parts = max(1, min(want, tiles // triton.cdiv(floor, block_n)))
