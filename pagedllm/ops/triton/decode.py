@@ -15,14 +15,14 @@ from . import _host, pdl
 from .paged_tile import LN2, LOG2E, attend_range, load_scale
 
 # Split-K choice, from sweeps on the H100 ("hnd" cache, bf16, head 128, tile 64/2 warps; benchmarks/results,
-# decode_split_sweep_h100_20261124.log, 68 shapes). (sequence, kv head) programs alone do as well as any split
-# from 1.25 per SM (24 x 8 pairs at 1K: 2.44 TB/s in one pass, 2.18 in two); below that, splitting up to 4 per
-# SM pays, and not past it (16 x 4K: 2.74 with 4 x 1024 tokens; 5 x 832, a second wave, was 12% slower). Partitions
-# have a floor that grows with the work (programs x context, in head-tokens) up to 512 tokens: shorter ones
-# lose more to their fixed cost and the reduce than they gain (1 x 32K: 2.31 with 512, 1.86 with 256), a
-# 1024-token floor kept 8 x 4K / 4 x 8K / 2 x 16K at 2.25-2.31 where 512 gives 2.45-2.51, and small
-# latency-bound decodes want them short (1 x 1K: 9 us with 128 tokens, 22 us in one pass; 1 x 8K: 1.90 with
-# 256, 1.63 with 512).
+# decode_split_sweep_h100_20261124.log, 68 shapes). From 1.25 (sequence, kv head) programs per SM one pass is
+# within 3% of the best split up to 4K tokens and 5-7% under it at 16-32K (24 x 8 pairs at 1K: 2.44 TB/s in one
+# pass, 2.18 in two; at 32K 2.80 against 3.01). Below that, splitting up to 4 programs per SM pays, and not past
+# it (16 x 4K: 2.74 with 4 x 1024 tokens; 5 x 832, a second wave, was 12% slower). Partitions have a floor that
+# grows with the work (programs x context, in head-tokens) up to 512 tokens: shorter ones lose more to their
+# fixed cost and the reduce than they gain (1 x 32K: 2.31 with 512, 1.86 with 256), a 1024-token floor kept
+# 8 x 4K / 4 x 8K / 2 x 16K at 2.25-2.31 where 512 gives 2.45-2.51, and small latency-bound decodes want them
+# short (1 x 1K: 9 us with 128 tokens, 22 us in one pass; 1 x 8K: 1.90 with 256, 1.63 with 512).
 _SINGLE_PASS_PROGRAMS_PER_SM = 1.25
 _TARGET_PROGRAMS_PER_SM = 4
 _SPLIT_FLOOR_TOKENS = (128, 512)
