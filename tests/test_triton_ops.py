@@ -123,9 +123,10 @@ def test_split_plan():
     assert split_plan(256, 8, 2048, 64, 132)[0] == 1
     assert split_plan(24, 8, 1024, 64, 132)[0] == 1
     assert split_plan(4, 8, 100, 64, 132)[0] == 1
-    # Short contexts split finer than long ones (the floor scales with the context, up to 512 tokens).
+    # Less work splits finer (the floor scales with programs x context, up to 512 tokens).
     assert split_plan(1, 8, 1024, 64, 132) == (8, 128)
-    assert split_plan(1, 8, 8192, 64, 132) == (32, 256)
+    assert split_plan(8, 8, 1024, 64, 132) == (8, 128)
+    assert split_plan(1, 8, 16384, 64, 132) == (64, 256)
     assert split_plan(1, 8, 32768, 64, 132) == (64, 512)
     # Never past one wave of 4 programs an SM: 16 x 8 pairs split 4 ways (528 slots), not 5.
     assert split_plan(16, 8, 4096, 64, 132) == (4, 1024)

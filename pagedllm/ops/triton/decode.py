@@ -19,14 +19,16 @@ from .paged_tile import LN2, LOG2E, attend_range, load_scale
 # within 3% of the best split up to 4K tokens and 5-7% under it at 16-32K (24 x 8 pairs at 1K: 2.44 TB/s in one
 # pass, 2.18 in two; at 32K 2.80 against 3.01). Below that, splitting up to 4 programs per SM pays, and not past
 # it (16 x 4K: 2.74 with 4 x 1024 tokens; 5 x 832, a second wave, was 12% slower). Partitions have a floor that
-# grows with the work (programs x context, in head-tokens) up to 512 tokens: shorter ones lose more to their
-# fixed cost and the reduce than they gain (1 x 32K: 2.31 with 512, 1.86 with 256), a 1024-token floor kept
-# 8 x 4K / 4 x 8K / 2 x 16K at 2.25-2.31 where 512 gives 2.45-2.51, and small latency-bound decodes want them
-# short (1 x 1K: 9 us with 128 tokens, 22 us in one pass; 1 x 8K: 1.90 with 256, 1.63 with 512).
+# grows with the work (programs x context, in head-tokens; one token of floor per 512) up to 512 tokens: shorter
+# ones lose more to their fixed cost and the reduce than they gain (1 x 32K: 2.31 with 512, 1.86 with 256), a
+# 1024-token floor kept 8 x 4K / 4 x 8K / 2 x 16K at 2.25-2.31 where 512 gives 2.45-2.51, and small decodes want
+# them short (8 x 1K: 2.46 with 128 tokens, 1.81 with 256; 1 x 1K: 9 us with 128, 22 us in one pass). Against one
+# token per 256 (decode_split_floor_h100_20261124.log), 17 of the 24 shapes whose plan changed got 7-36% faster
+# and 4 lost 2-4% (1 x 8-16K, 3 x 8K, 6 x 4K); the engine's batch-8 step at 1K context 1.655 -> 1.524 ms.
 _SINGLE_PASS_PROGRAMS_PER_SM = 1.25
 _TARGET_PROGRAMS_PER_SM = 4
 _SPLIT_FLOOR_TOKENS = (128, 512)
-_SPLIT_FLOOR_WORK = 256  # head-tokens of work per token of floor
+_SPLIT_FLOOR_WORK = 512  # head-tokens of work per token of floor
 
 
 # The block table's row stride is its width, which changes from step to step in eager mode; specialising on
