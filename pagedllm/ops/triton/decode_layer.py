@@ -75,16 +75,20 @@ ATTENTION_REGISTERS = 168
 # A program's whole share of a projection's weights, requested at once (before the barrier it then waits at):
 # up to 64 registers a thread at 16 warps. Qwen3-0.6B's largest share is gate_up's 96 KB.
 SLICE_BYTES = 131072
-# Registers of the gate_up phase in launches whose attention phase has both tile sizes (LONG), where its weight share
-# takes at most GATE_UP_REGISTERS - 24 of them (Qwen3-0.6B: 48 of its 82; no spills at 72). 72 at 16 warps leaves
-# exactly the 56 a thread that down_proj's phase takes, so its programs can start beside gate_up's. Measured on the
-# H100 (benchmarks/results/README.md, fourteenth session), forward at 1024 tokens in a graph bounded at 2048: 690 ->
-# 658 us; at 3500 996 -> 961. Without LONG the cap cost 15 us at 64 tokens and gained nothing at 1024, so it is
-# off there.
+# Registers of the gate_up phase in launches whose attention phase has both tile sizes (LONG) and runs at
+# ATTENTION_WARPS, where its weight share takes at most GATE_UP_REGISTERS - 24 of them (Qwen3-0.6B: 48 of its 82;
+# no spills at 72). 72 at 16 warps leaves exactly the 56 a thread that down_proj's phase takes, so its programs can
+# start beside gate_up's. Measured on the H100 (benchmarks/results/README.md, fourteenth session), forward at 1024
+# tokens in a graph bounded at 2048: 690 -> 658 us. Without LONG the cap cost 15 us at 64 tokens and gained nothing
+# at 1024; with attention at ATTENTION_LONG_WARPS it cost 10-11% (twenty-fourth session: 3000 / 8000 tokens in
+# graphs bounded at 4096 / 8192, 780 / 1066 us against 712 / 950 without it), so it is off there.
 GATE_UP_REGISTERS = 72
-# o_proj's warps in LONG launches: 8 took the forward at 1024 tokens in a graph bounded at 2048 from 664 to 644 us and
-# at 1100 tokens from 695 to 674; without LONG it cost 13 us at 64 tokens (the same session's log).
-O_PROJ_LONG_WARPS = 8
+# Registers of the qkv and o_proj phases where their weight share takes at most PROJECTION_REGISTERS - 24 of them
+# (Qwen3-0.6B: 32 and 16). On the H100 (twenty-fourth session, both at 16 warps, alternating) the forward at 64 /
+# 1024 / 1500 / 4000 tokens (graphs bounded at 1024 / 2048 / 2048 / 4096) took 627 / 624 / 654 / 765 us uncapped
+# with o_proj at 8 warps in LONG launches (as it ran until then), 619 / 608 / 637 / 764 capped at 64; o_proj at 16
+# warps capped at 56 or 48 was 1-8 us slower than at 64.
+PROJECTION_REGISTERS = 64
 # Larger shares stream in slices of this size, the next one in flight while the current one is used.
 STEP_BYTES = 32768
 MAX_PROGRAMS = 128
@@ -562,9 +566,12 @@ class DecoderLayerKernel:
         itemsize = dtype.itemsize
         self.plans = plans = _plans(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, itemsize,
                                     num_programs)
-        rpp, steps, rpp2 = plans[6:9]
-        share = (rpp * steps + rpp2) * 2 * triton.next_power_of_2(hidden_size) * itemsize
-        self.gate_up_fits = steps == 1 and share <= (GATE_UP_REGISTERS - 24) * 4 * NUM_WARPS * 32
+        # which of qkv, o_proj and gate_up may take the register caps above (whole shares that fit them)
+        k_pads = [triton.next_power_of_2(k) for k in (hidden_size, q_width // num_kv_heads, hidden_size)]
+        self.capped = [steps == 1 and (rpp + rpp2) * pairs * k_pad * itemsize <= (cap - 24) * 4 * NUM_WARPS * 32
+                       for (rpp, steps, rpp2), k_pad, pairs, cap in
+                       zip((plans[0:3], plans[3:6], plans[6:9]), k_pads, (1, 1, 2),
+                           (PROJECTION_REGISTERS, PROJECTION_REGISTERS, GATE_UP_REGISTERS))]
 
         def buf(*shape, dtype=torch.float32):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -616,9 +623,11 @@ class DecoderLayerKernel:
         the backend takes maxnreg."""
         attention = (ATTENTION_LONG_WARPS if many_keys else ATTENTION_WARPS,
                      dict(maxnreg=ATTENTION_REGISTERS) if nvidia and not long else {})
-        o_proj = (O_PROJ_LONG_WARPS if long else NUM_WARPS, {})
-        gate_up = (NUM_WARPS, dict(maxnreg=GATE_UP_REGISTERS) if nvidia and long and self.gate_up_fits else {})
-        return [(NUM_WARPS, {}), attention, o_proj, gate_up, (NUM_WARPS, {})]
+
+        def cap(projection, registers, where=True):
+            return (NUM_WARPS, dict(maxnreg=registers) if nvidia and where and self.capped[projection] else {})
+        return [cap(0, PROJECTION_REGISTERS), attention, cap(1, PROJECTION_REGISTERS),
+                cap(2, GATE_UP_REGISTERS, long and not many_keys), (NUM_WARPS, {})]
 
     def begin_step(self) -> None:
         """Before a step's first layer: the barrier counter restarts (the layers' barriers follow on from each
