@@ -43,7 +43,8 @@ instructions took the forward at 1024 tokens from 747 to ~700 us, at 1100 from 8
 over every program (16 + 8 rows, not 32 on three quarters of them) to ~660 / ~690; the attention partitions
 merged in o_proj's programs instead of by the last partition of each kv head to ~620 / ~660 (the sessions' own
 machines; alternating on one H100 in the sixteenth session, 662 / 664 us), the newest token's attention on its own
-to 636 / 648.
+to 636 / 648, the launch configs re-swept (twenty-fourth session) from 637 / 622 to 631 / 606 at 1024 tokens in
+graphs bounded at 1024 / 2048.
 """
 from __future__ import annotations
 
