@@ -7,6 +7,13 @@ model's step through it and through the CUDA whole-model kernel
 times as lower bounds of the engine's (its profile shows the kernel's time there).
 
     python benchmarks/decode_layer.py [--context 1024]
+
+--sweep instead times the model's forward under launch-config variants of the kernel, alternating, at several
+(context, graph bound) pairs: each variant is NAME=SPEC, SPEC a comma-separated list of PHASE[@WHERE]:WARPS[:REGS]
+(phase A-E; WHERE one, two or many: launches with one attention tile size, with two, or with partitions of more
+than three tiles; REGS 0 or absent: no register cap), applied over the kernel's own choice; "NAME=" is that choice.
+
+    python benchmarks/decode_layer.py --sweep base= C16=C:16 Dmany=D@many:16 --contexts 1024:2048 4000:4096
 """
 import argparse
 import os
@@ -122,24 +129,94 @@ def cuda_phases(model, ids, pos):
           f"issued over {issue:.1f} us")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=1024)
-    args = parser.parse_args()
-    ctx = args.context
-    model, _, _ = load_model(model_dir_for("qwen3-0.6b"), torch.bfloat16, "cuda", load_format="dummy")
-    pages = -(-ctx // BLOCK)
+def parse_variant(spec: str):
+    """NAME=SPEC (module docstring) -> (NAME, [(phase index, where or None, warps, register cap or None)])."""
+    name, _, body = spec.partition("=")
+    changes = []
+    for item in filter(None, body.split(",")):
+        target, *config = item.split(":")
+        phase, _, where = target.partition("@")
+        valid = len(phase) == 1 and phase in "ABCDE" and where in ("", "one", "two", "many") and len(config) in (1, 2)
+        if not valid:
+            raise ValueError(f"variant {spec!r}: {item!r} is not PHASE[@one|two|many]:WARPS[:REGS]")
+        regs = int(config[1]) if len(config) == 2 else 0
+        changes.append(("ABCDE".index(phase), where or None, int(config[0]), regs or None))
+    return name, changes
+
+
+def variant_configs(own, changes):
+    """A DecoderLayerKernel._launch_configs that applies `changes` (parse_variant) over `own`'s choice."""
+
+    def configs(self, long, many_keys, nvidia):
+        out = own(self, long, many_keys, nvidia)
+        kind = "many" if many_keys else "two" if long else "one"
+        for phase, where, warps, regs in changes:
+            if where in (None, kind):
+                out[phase] = (warps, dict(maxnreg=regs) if regs and nvidia else {})
+        return out
+    return configs
+
+
+def bind_caches(model, tokens, gen):
+    """Random K/V caches of `tokens` tokens for every layer, and the block table of a sequence holding its pages in
+    order (as one sequence's pages mostly come off the free list)."""
+    pages = -(-tokens // BLOCK)
     for layer in model.model.layers:
         attn = layer.self_attn.attn
         shape = (pages, attn.num_kv_heads, BLOCK, attn.head_size)
-        attn.bind_cache(torch.randn(shape, dtype=torch.bfloat16, device="cuda"),
-                        torch.randn(shape, dtype=torch.bfloat16, device="cuda"), "auto", 1.0, 1.0)
-    table = torch.arange(pages, device="cuda")
+        attn.bind_cache(torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen),
+                        torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen), "auto", 1.0, 1.0)
+    return torch.arange(pages, device="cuda")
+
+
+def step_metadata(table, ctx, bound):
+    """A decode step of one sequence at ctx tokens (its newest at position ctx - 1), planned for `bound`."""
     pos = torch.tensor([ctx - 1], device="cuda")
-    meta = AttentionMetadata(table[pos // BLOCK] * BLOCK + pos % BLOCK, 1, table[None].to(torch.int32),
-                             torch.tensor([ctx], dtype=torch.int32, device="cuda"), ctx, None, None, None, 0, 0)
+    return pos, AttentionMetadata(table[pos // BLOCK] * BLOCK + pos % BLOCK, 1, table[None].to(torch.int32),
+                                  torch.tensor([ctx], dtype=torch.int32, device="cuda"), bound, None, None, None, 0, 0)
+
+
+def sweep(model, variants, pairs, rounds=3):
+    """The forward's time (us) for each variant at each (context, bound), the variants taking turns."""
+    table = bind_caches(model, max(b for _, b in pairs), torch.Generator(device="cuda").manual_seed(0))
     ids = torch.tensor([5], device="cuda")
-    print(f"{torch.cuda.get_device_name()}, Qwen3-0.6B shape, bf16, context {ctx}")
+    own = decode_layer.DecoderLayerKernel._launch_configs
+    os.environ[fused_decode.ENV_VAR] = "1"
+    try:
+        for ctx, bound in pairs:
+            pos, meta = step_metadata(table, ctx, bound)
+            times = {name: [] for name, _ in variants}
+            with set_forward_context(meta), torch.no_grad():
+                for _ in range(rounds):
+                    for name, changes in variants:
+                        decode_layer.DecoderLayerKernel._launch_configs = variant_configs(own, changes)
+                        times[name].append(graph_time_us(lambda: model(ids, pos), 2))
+            print(f"{ctx} tokens, bound {bound}: " + ", ".join(
+                f"{name} {' / '.join(f'{t:.1f}' for t in ts)}" for name, ts in times.items()), flush=True)
+    finally:
+        decode_layer.DecoderLayerKernel._launch_configs = own
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--sweep", nargs="+", type=parse_variant, metavar="NAME=SPEC")
+    parser.add_argument("--contexts", nargs="+", metavar="TOKENS:BOUND",
+                        type=lambda a: tuple(int(x) for x in a.split(":")),
+                        default=[(64, 1024), (1024, 1024), (1024, 2048), (1500, 2048), (2100, 4096), (4000, 4096),
+                                 (8000, 8192)])
+    args = parser.parse_args()
+    model, _, _ = load_model(model_dir_for("qwen3-0.6b"), torch.bfloat16, "cuda", load_format="dummy")
+    print(f"{torch.cuda.get_device_name()}, Qwen3-0.6B shape, bf16")
+    if args.sweep:
+        print("model forward (us), CUDA-graph replays, variants taking turns:")
+        sweep(model, args.sweep, args.contexts)
+        return
+    ctx = args.context
+    table = bind_caches(model, ctx, torch.Generator(device="cuda").manual_seed(0))
+    pos, meta = step_metadata(table, ctx, ctx)
+    ids = torch.tensor([5], device="cuda")
+    print(f"context {ctx}")
     with set_forward_context(meta), torch.no_grad():
         os.environ[fused_decode.ENV_VAR] = "triton"
         model(ids, pos)

@@ -128,18 +128,24 @@ def test_throughput_rejects_a_workload_longer_than_max_model_len(capsys):
     assert e.value.code == 2 and "exceeds --max-model-len 64" in capsys.readouterr().err
 
 
+def _benchmark(name: str):
+    """A script of benchmarks/ as a module (they import each other by plain name)."""
+    import importlib
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 def test_triton_spills_specs_match_the_kernels():
     """benchmarks/triton_spills.py compiles each kernel from a hand-written signature: every typed or constant
     argument it names must be a parameter, and every constexpr parameter must get a value, or the report would
     fail (or silently type a renamed pointer as an int)."""
     import inspect
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    try:
-        import triton_spills
-    finally:
-        sys.path.pop(0)
+    triton_spills = _benchmark("triton_spills")
     for name, spec in triton_spills.KERNELS.items():
         fn, types, consts, warps, stages = spec()
         params = inspect.signature(fn.fn).parameters
@@ -147,3 +153,26 @@ def test_triton_spills_specs_match_the_kernels():
         constexprs = {p for p, v in params.items() if "constexpr" in str(v.annotation)}
         assert constexprs == set(consts), name
         assert warps in (1, 2, 4, 8, 16) and stages >= 1
+
+
+def test_decode_layer_sweep_variants():
+    """benchmarks/decode_layer.py --sweep: a variant changes only the phases and launch kinds it names, over the
+    kernel's own choice, and a malformed one is refused."""
+    from pagedllm.ops.triton.decode_layer import DecoderLayerKernel
+    bench = _benchmark("decode_layer")
+    assert bench.parse_variant("base=") == ("base", [])
+    name, changes = bench.parse_variant("x=D@many:16,C:8:56")
+    assert name == "x" and changes == [(3, "many", 16, None), (2, None, 8, 56)]
+    for bad in ("x=F:16", "x=D@most:16", "x=D", "x=D:16:64:1"):
+        with pytest.raises(ValueError):
+            bench.parse_variant(bad)
+    kernel = DecoderLayerKernel(1024, 3072, 16, 8, 128, torch.bfloat16, torch.device("cpu"), num_programs=128)
+    own = DecoderLayerKernel._launch_configs
+    configs = bench.variant_configs(own, changes)
+    for long, many in ((False, False), (True, False), (True, True)):
+        expected = own(kernel, long, many, True)
+        expected[2] = (8, dict(maxnreg=56))
+        if many:
+            expected[3] = (16, {})
+        assert configs(kernel, long, many, True) == expected
+    assert configs(kernel, True, True, False)[2] == (8, {})  # no register caps where the backend takes none
