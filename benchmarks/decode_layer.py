@@ -10,8 +10,9 @@ times as lower bounds of the engine's (its profile shows the kernel's time there
 
 --sweep instead times the model's forward under launch-config variants of the kernel, alternating, at several
 (context, graph bound) pairs: each variant is NAME=SPEC, SPEC a comma-separated list of PHASE[@WHERE]:WARPS[:REGS]
-(phase A-E; WHERE one, two or many: launches with one attention tile size, with two, or with partitions of more
-than three tiles; REGS 0 or absent: no register cap), applied over the kernel's own choice; "NAME=" is that choice.
+(phase A-E; WHERE one, two or many: launches with one attention tile size, with two, or whose partitions may hold
+more than three 64-key tiles; REGS 0 or absent: no register cap), applied over the kernel's own choice; "NAME=" is
+that choice. A context may not pass its bound.
 
     python benchmarks/decode_layer.py --sweep base= C16=C:16 Dmany=D@many:16 --contexts 1024:2048 4000:4096
 """
@@ -144,6 +145,14 @@ def parse_variant(spec: str):
     return name, changes
 
 
+def context_pair(arg: str) -> tuple[int, int]:
+    """TOKENS:BOUND, 1 <= TOKENS <= BOUND (the engine never plans a step for less than its context)."""
+    ctx, bound = (int(x) for x in arg.split(":"))
+    if not 1 <= ctx <= bound:
+        raise ValueError(f"{arg!r}: the context must be 1..bound")
+    return ctx, bound
+
+
 def variant_configs(own, changes):
     """A DecoderLayerKernel._launch_configs that applies `changes` (parse_variant) over `own`'s choice."""
 
@@ -201,8 +210,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--sweep", nargs="+", type=parse_variant, metavar="NAME=SPEC")
-    parser.add_argument("--contexts", nargs="+", metavar="TOKENS:BOUND",
-                        type=lambda a: tuple(int(x) for x in a.split(":")),
+    parser.add_argument("--contexts", nargs="+", metavar="TOKENS:BOUND", type=context_pair,
                         default=[(64, 1024), (1024, 1024), (1024, 2048), (1500, 2048), (2100, 4096), (4000, 4096),
                                  (8000, 8192)])
     args = parser.parse_args()

@@ -151,6 +151,25 @@ def test_shares_split_into_two_power_of_two_slices():
         assert rpp * steps + rpp2 == -(-n_rows // 128)  # the even split, no padding
 
 
+def test_launch_configs_per_kind_of_launch():
+    """Each phase's (warps, register cap) by kind of launch, as measured fastest on the H100 at Qwen3-0.6B's shape
+    (decode_layer's constants), no caps where the backend takes none, and no cap on o_proj where its merge tiles
+    leave no room under it (SmolLM2-135M's shape: 3 query heads a kv head padded to 4, 42 partitions: it spilled)."""
+    from pagedllm.ops.triton import decode_layer as dl
+    kernel = dl.DecoderLayerKernel(1024, 3072, 16, 8, 128, torch.bfloat16, torch.device("cpu"), num_programs=128)
+    proj, gate_up = (dl.NUM_WARPS, dict(maxnreg=dl.PROJECTION_REGISTERS)), dl.GATE_UP_REGISTERS
+    plain = (dl.NUM_WARPS, {})
+    one_size = (dl.ATTENTION_WARPS, dict(maxnreg=dl.ATTENTION_REGISTERS))
+    assert kernel._launch_configs(False, False, True) == [proj, one_size, proj, plain, plain]
+    two_sizes = [proj, (dl.ATTENTION_WARPS, {}), proj, (dl.NUM_WARPS, dict(maxnreg=gate_up)), plain]
+    assert kernel._launch_configs(True, False, True) == two_sizes
+    assert kernel._launch_configs(True, True, True) == [proj, (dl.ATTENTION_LONG_WARPS, {}), proj, plain, plain]
+    assert all(limits == {} for _, limits in kernel._launch_configs(True, False, False))
+    small = dl.DecoderLayerKernel(576, 1536, 9, 3, 64, torch.bfloat16, torch.device("cpu"), num_programs=128)
+    assert small.capped == [True, False, True]
+    assert small._launch_configs(False, False, True)[2] == plain
+
+
 @pytest.mark.parametrize("context", [1, 37])
 def test_a_graph_bound_past_the_context(tmp_path, monkeypatch, context):
     """A decode graph's step bounds its context by the graph's size: attention then has both tile sizes compiled

@@ -84,11 +84,12 @@ SLICE_BYTES = 131072
 # at 1024; with attention at ATTENTION_LONG_WARPS it cost 10-11% (twenty-fourth session: 3000 / 8000 tokens in
 # graphs bounded at 4096 / 8192, 780 / 1066 us against 712 / 950 without it), so it is off there.
 GATE_UP_REGISTERS = 72
-# Registers of the qkv and o_proj phases where their weight share takes at most PROJECTION_REGISTERS - 24 of them
-# (Qwen3-0.6B: 32 and 16). On the H100 (twenty-fourth session, both at 16 warps, alternating) the forward at 64 /
-# 1024 / 1500 / 4000 tokens (graphs bounded at 1024 / 2048 / 2048 / 4096) took 627 / 624 / 654 / 765 us uncapped
-# with o_proj at 8 warps in LONG launches (as it ran until then), 619 / 608 / 637 / 764 capped at 64; o_proj at 16
-# warps capped at 56 or 48 was 1-8 us slower than at 64.
+# Registers of the qkv and o_proj phases where what they hold takes at most PROJECTION_REGISTERS - 24 of them
+# (Qwen3-0.6B: 32 and 40). On the H100 (twenty-fourth session, alternating), o_proj at 16 warps in every launch (it
+# had run at 8 where attention has two tile sizes) took the forward at 1024 / 1500 tokens in graphs bounded at 2048
+# from 623 / 655 to 615 / 642 us; then both phases capped at 64 registers, at 64 / 1024 / 1500 tokens (graphs
+# bounded at 1024 / 2048 / 2048), from 628 / 617 / 642 to 619 / 608 / 637 us (at 4000, bound 4096, within 1 us).
+# o_proj capped at 56 or 48 was 1-8 us slower than at 64.
 PROJECTION_REGISTERS = 64
 # Larger shares stream in slices of this size, the next one in flight while the current one is used.
 STEP_BYTES = 32768
@@ -567,11 +568,15 @@ class DecoderLayerKernel:
         itemsize = dtype.itemsize
         self.plans = plans = _plans(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, itemsize,
                                     num_programs)
-        # which of qkv, o_proj and gate_up may take the register caps above (whole shares that fit them)
+        # Which of qkv, o_proj and gate_up may take the register caps above: whole shares that fit them, o_proj's
+        # beside the three [GROUP_P2 * HEAD_SIZE, NP_PAD] float tiles of its merge (_merged_heads), which grow with
+        # the query group and the partitions (at Qwen3-0.6B's shape 48 KB of the 80 KB its cap leaves).
+        merge = 3 * triton.next_power_of_2(num_heads // num_kv_heads) * head_size * (
+            triton.next_power_of_2(self.partitions)) * 4
         k_pads = [triton.next_power_of_2(k) for k in (hidden_size, q_width // num_kv_heads, hidden_size)]
-        self.capped = [steps == 1 and (rpp + rpp2) * pairs * k_pad * itemsize <= (cap - 24) * 4 * NUM_WARPS * 32
-                       for (rpp, steps, rpp2), k_pad, pairs, cap in
-                       zip((plans[0:3], plans[3:6], plans[6:9]), k_pads, (1, 1, 2),
+        self.capped = [steps == 1 and (rpp + rpp2) * pairs * k_pad * itemsize + held <= (cap - 24) * 4 * NUM_WARPS * 32
+                       for (rpp, steps, rpp2), k_pad, pairs, held, cap in
+                       zip((plans[0:3], plans[3:6], plans[6:9]), k_pads, (1, 1, 2), (0, merge, 0),
                            (PROJECTION_REGISTERS, PROJECTION_REGISTERS, GATE_UP_REGISTERS))]
 
         def buf(*shape, dtype=torch.float32):
@@ -684,7 +689,7 @@ class DecoderLayerKernel:
         programs[1] = self.num_kv_heads * (self.partitions + apart)
         for phase in range(PHASES) if phased else (-1,):
             warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
-            # LONG only where attention runs (o_proj's warps and gate_up's register cap follow it): the other phases'
+            # LONG only where attention runs (gate_up's register cap follows it and many_keys): the other phases'
             # kernels stay one compiled variant. The projection phases contract products and sums into FMAs (they
             # are bound by their instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE
             # kernel has them (fused.py).
