@@ -17,6 +17,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -39,7 +40,8 @@ def _sparse():
                  qk_scale="fp32")
     consts = dict(BLOCK_SIZE=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD=HEAD, HEAD_PAD=HEAD,
                   CAUSAL=True, DOT_PREC="tf32")
-    return sparse_attention._sparse_attn_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
+    return sparse_attention._sparse_attn_kernel, types, consts, dict(num_warps=cfg["num_warps"],
+                                                                      num_stages=cfg["num_stages"])
 
 
 def _estimate(stride, fp8=False):
@@ -50,7 +52,7 @@ def _estimate(stride, fp8=False):
                  PART="*fp32", TMAX="*fp32", OUT="*fp32", scale="fp32")
     consts = dict(STRIDE=stride, RBS=128 // stride, HEAD=HEAD, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                   BLOCK_K=block_k, CAUSAL=True, DOT_PREC="tf32", FP8=fp8)
-    return estimate._estimate_kernel, types, consts, cfg["num_warps"], cfg["num_stages"]
+    return estimate._estimate_kernel, types, consts, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 class _CudaQuery:  # what the ops' config functions read of the query
@@ -68,7 +70,7 @@ def _prefill(max_seq_len):
                  scale="fp32")
     consts = dict(GROUP=2, TOKENS=block_m // 2, BLOCK_M=block_m, HEAD_SIZE=HEAD, HEAD_PAD=HEAD, BLOCK_SIZE=16,
                   BLOCK_N=block_n, X=8, LAYOUT=1, FP8=0, SCALE_PTR=False, ALIBI=False, DOT_PREC="tf32")
-    return prefill._prefill_kernel, types, consts, warps, stages
+    return prefill._prefill_kernel, types, consts, dict(num_warps=warps, num_stages=stages)
 
 
 def _decode(split):
@@ -78,7 +80,7 @@ def _decode(split):
                  alibi_slopes="*fp32", k_scale="fp32", v_scale="fp32", scale="fp32")
     consts = dict(GROUP=2, GROUP_PAD=16, HEAD_SIZE=HEAD, HEAD_PAD=HEAD, BLOCK_SIZE=16, BLOCK_N=block_n, X=8,
                   LAYOUT=1, FP8=0, SCALE_PTR=False, ALIBI=False, SPARSE=False, SPLIT=split, DOT_PREC="tf32", PDL=True)
-    return decode._decode_kernel, types, consts, warps, stages
+    return decode._decode_kernel, types, consts, dict(num_warps=warps, num_stages=stages)
 
 
 def _split_k(rows, gated):
@@ -86,11 +88,12 @@ def _split_k(rows, gated):
     bm, bn, bk, _, stages, warps = linear._config(rows, 1024, 3072)
     types = dict(x="*bf16", w_desc=_desc(bn, bk), partials="*fp32")
     consts = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated, PDL=True)
-    return linear._split_k_kernel, types, consts, warps, 3  # the loop pipelines itself; 3 is the launch default
+    return linear._split_k_kernel, types, consts, dict(num_warps=warps, num_stages=3)  # 3: the launch default
 
 
-def _decoder_layer():
-    """The batch-1 decoder-layer kernel with its barriers, at Qwen3-0.6B's shape on 128 programs."""
+def _decoder_layer(phase=-1, long=True, many_keys=False):
+    """The batch-1 decoder-layer kernel at Qwen3-0.6B's shape on 128 programs: with its barriers (phase -1), or one
+    phase's launch with the warps and register cap the engine gives it in launches of that kind."""
     types = {p: "*bf16" for p in ("x_in", "residual", "res_mid", "qkv", "act", "w_ln", "w_qkv",
                                   "b_qkv", "q_norm_w", "k_norm_w", "w_o", "w_post", "w_gate_up", "w_down",
                                   "k_cache", "v_cache")}
@@ -98,15 +101,20 @@ def _decoder_layer():
                                        "cos_sin_cache")})
     types.update(barrier="*i32", trace="*i64", positions="*i64", slot_mapping="*i64", seq_lens="*i32",
                  block_table="*i32", eps="fp32", qk_eps="fp32", scale="fp32")
-    plans = [*decode_layer._gemv_plan(4096, 1024, 1, 128, 2), *decode_layer._gemv_plan(1024, 256, 1, 16, 2),
-             *decode_layer._gemv_plan(3072, 1024, 2, 128, 2), *decode_layer._gemv_plan(1024, 3072, 1, 128, 2)]
+    kernel = decode_layer.DecoderLayerKernel(1024, 3072, 16, 8, HEAD, torch.bfloat16, torch.device("cpu"),
+                                             num_programs=128)
     names = [f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")]
     consts = dict(D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8, KV_PAD=8,
-                  HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, **dict(zip(names, plans)),
+                  HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, **dict(zip(names, kernel.plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
-                  NPROG=128, PHASE=-1, DOT_PREC="tf32", PDL=False, TRACE=False, NEWEST_APART=False,  # persistent
-                  LONG=True)  # both attention tile sizes: the most registers
-    return decode_layer._decoder_layer_kernel, types, consts, decode_layer.NUM_WARPS, 1
+                  NPROG=128, PHASE=phase, DOT_PREC="tf32", PDL=phase >= 0, TRACE=False,
+                  NEWEST_APART=phase == 1 and not many_keys, LONG=long and phase in (-1, 1))
+    # FMA contraction as DecoderLayerKernel launches each phase: off where attention runs
+    options = dict(num_stages=1, enable_fp_fusion=phase not in (-1, 1))
+    if phase < 0:  # persistent: every phase at NUM_WARPS, both attention tile sizes (the most registers)
+        return decode_layer._decoder_layer_kernel, types, consts, dict(options, num_warps=decode_layer.NUM_WARPS)
+    warps, limits = kernel._launch_configs(long, many_keys, True)[phase]
+    return decode_layer._decoder_layer_kernel, types, consts, dict(options, num_warps=warps, **limits)
 
 
 # name -> kernel spec at its GPU launch config (bf16, head 128, Qwen3-0.6B's 2 query heads per kv head)
@@ -123,6 +131,9 @@ KERNELS = {
     "split_k_linear_16_rows_gated": lambda: _split_k(16, True),
     "split_k_linear_64_rows": lambda: _split_k(64, False),
     "decoder_layer": _decoder_layer,
+    # the five launches of a step whose graph is bounded at 2048 tokens (both tile sizes), as the engine runs them
+    **{f"decoder_layer_{name}": (lambda p=p: _decoder_layer(p)) for p, name in
+       enumerate(("norm_qkv", "attention", "o_proj", "norm_gate_up", "down"))},
 }
 
 
@@ -136,7 +147,7 @@ def _ptxas():
 
 def report(name):
     """(registers, spill store bytes, spill load bytes) of one kernel of KERNELS."""
-    fn, types, consts, warps, stages = KERNELS[name]()
+    fn, types, consts, options = KERNELS[name]()
     params = inspect.signature(fn.fn).parameters
     signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
     # The launcher specialises 16-byte aligned pointers and strides that are multiples of 16 (all of ours on the GPU):
@@ -144,7 +155,7 @@ def report(name):
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
                if signature[p].startswith("*") or p.startswith("stride")}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned), target=TARGET,
-                            options=dict(num_warps=warps, num_stages=stages))
+                            options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:

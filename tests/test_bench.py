@@ -147,12 +147,12 @@ def test_triton_spills_specs_match_the_kernels():
     import inspect
     triton_spills = _benchmark("triton_spills")
     for name, spec in triton_spills.KERNELS.items():
-        fn, types, consts, warps, stages = spec()
+        fn, types, consts, options = spec()
         params = inspect.signature(fn.fn).parameters
         assert set(types) <= set(params) and set(consts) <= set(params), name
         constexprs = {p for p, v in params.items() if "constexpr" in str(v.annotation)}
         assert constexprs == set(consts), name
-        assert warps in (1, 2, 4, 8, 16) and stages >= 1
+        assert options["num_warps"] in (1, 2, 4, 8, 16) and options["num_stages"] >= 1
 
 
 def test_decode_layer_sweep_variants():
