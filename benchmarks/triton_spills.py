@@ -104,7 +104,7 @@ def _decoder_layer(phase=-1, long=True, many_keys=False):
     kernel = decode_layer.DecoderLayerKernel(1024, 3072, 16, 8, HEAD, torch.bfloat16, torch.device("cpu"),
                                              num_programs=128)
     names = [f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")]
-    consts = dict(D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8, O_PARTS=8,
+    consts = dict(D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8, KV_PAD=8,
                   HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, **dict(zip(names, kernel.plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
                   NPROG=128, PHASE=phase, DOT_PREC="tf32", PDL=phase >= 0, TRACE=False,

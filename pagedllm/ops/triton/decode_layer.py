@@ -48,8 +48,6 @@ graphs bounded at 1024 / 2048.
 """
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +57,6 @@ import triton.language as tl
 from . import _host, pdl
 from .fused import rms_scale, rotated_heads, store_token_kv
 from .paged_tile import LOG2E, attend_kv, attend_range, load_kv_tile
-
-logger = logging.getLogger(__name__)
 
 PHASES = 5
 NUM_WARPS = 16
@@ -98,9 +94,6 @@ PROJECTION_REGISTERS = 64
 # Larger shares stream in slices of this size, the next one in flight while the current one is used.
 STEP_BYTES = 32768
 MAX_PROGRAMS = 128
-GATE_UP_ENV = "PAGEDLLM_DECODE_GATE_UP"
-# The CUDA phase D's shared memory at most: a block's rows beside attention's tiles (at most 64 KB) on one SM.
-GATE_UP_SMEM = 160 * 1024
 BLOCK_N = 64  # keys per attention tile (twice that for partitions longer than one)
 
 
@@ -412,7 +405,7 @@ def _decoder_layer_kernel(
     cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, trace,
     D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr, HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr, O_PARTS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr,
     A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr, U_RPP: tl.constexpr,
     U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr,
@@ -471,7 +464,7 @@ def _decoder_layer_kernel(
         # rounded as the attention output the layers' o_proj reads
         o = o.to(qkv.dtype.element_ty)
         _gemv(w_o + o_head * O_K, share, pid % NP, o_rows, o, o_out + o_head, o_out, O_K,
-              GROUP_P2 * HEAD_SIZE, O_RPP, O_STEPS, O_RPP2, 1, False, HEADS * HEAD_SIZE, O_PARTS)
+              GROUP_P2 * HEAD_SIZE, O_RPP, O_STEPS, O_RPP2, 1, False, HEADS * HEAD_SIZE, KV_HEADS)
     if PHASE < 0 or PHASE == 3:
         share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, D)
     if PHASE < 0:
@@ -479,7 +472,7 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 3:
         if PDL:
             pdl.gdc_wait()
-        h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD, O_PARTS, O_PARTS)
+        h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD, KV_HEADS, KV_PAD)
         if pid == 0:
             tl.store(residual + cols, h, mask=cols < D)
         _gemv(w_gate_up, share, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False, D, 1)
@@ -595,18 +588,12 @@ class DecoderLayerKernel:
         self.attn_stats = buf(2, num_heads, self.partitions)
         self.attn_acc = buf(num_heads, head_size, self.partitions)
         self.attn_new = buf(num_heads)  # the newest token's scores
-        # o_proj's partial sums, one per kv head, in rows padded to o_parts columns of zeros (a power of two, at
-        # least 4: the CUDA phase D reads them as float4s)
-        self.o_parts = max(4, triton.next_power_of_2(num_kv_heads))
-        self.o_out = buf(hidden_size, self.o_parts)
+        self.o_out = buf(hidden_size, num_kv_heads)  # o_proj's partial sums, one per kv head
         self.act = buf(intermediate_size, dtype=dtype)
         self.barrier = buf(1, dtype=torch.int32)  # the persistent mode's
         # int64 [layers, PHASES, max(launch_programs), 2] to receive each program's start and end (GPU nanoseconds)
         # in each phase's launch, five launches only: benchmarks/decode_layer.py sets it.
         self.trace: torch.Tensor | None = None
-        # the CUDA phase D's row pairs a block (one block a program), and whether it runs on each device
-        self.gate_up_rows = triton.cdiv(intermediate_size, num_programs)
-        self._cuda_gate_up_on: dict[int, bool] = {}
 
     @staticmethod
     def unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype,
@@ -648,29 +635,6 @@ class DecoderLayerKernel:
         return [cap(0, PROJECTION_REGISTERS), attention, cap(1, PROJECTION_REGISTERS),
                 cap(2, GATE_UP_REGISTERS, long and not many_keys), (NUM_WARPS, {})]
 
-    def _cuda_gate_up(self, x: torch.Tensor) -> bool:
-        """Whether phase D runs as the CUDA kernel (csrc/decode_gate_up.cu) for tensors like x: on Hopper and
-        later (bulk copies, grid dependency control), where the op library loads and the block's rows fit its
-        shared memory beside attention's; `PAGEDLLM_DECODE_GATE_UP=triton` keeps the Triton phase (the A/B
-        switch of benchmarks/results/README.md)."""
-        if not x.is_cuda or torch.version.hip is not None or os.environ.get(GATE_UP_ENV, "") == "triton":
-            return False
-        device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        usable = self._cuda_gate_up_on.get(device)
-        if usable is None:
-            smem = (2 * self.gate_up_rows + 1) * self.hidden_size * self.dtype.itemsize
-            usable = (torch.cuda.get_device_capability(device)[0] >= 9 and self.dtype != torch.float32
-                      and self.hidden_size <= 3072 and self.o_parts <= 16 and smem <= GATE_UP_SMEM)
-            if usable:
-                from pagedllm.ops.cuda import CudaOpsUnavailable, load
-                try:
-                    load(device)
-                except CudaOpsUnavailable as e:
-                    logger.warning("decoder-layer kernel: phase D stays in Triton (%s)", e)
-                    usable = False
-            self._cuda_gate_up_on[device] = usable
-        return usable
-
     def begin_step(self) -> None:
         """Before a step's first layer: the barrier counter restarts (the layers' barriers follow on from each
         other) and the residual is zero, which makes layer 0's residual add a no-op."""
@@ -695,7 +659,7 @@ class DecoderLayerKernel:
         consts = dict(
             D=self.hidden_size, D_PAD=triton.next_power_of_2(self.hidden_size),
             INTER=self.intermediate_size, INTER_PAD=triton.next_power_of_2(self.intermediate_size),
-            HEADS=self.num_heads, KV_HEADS=self.num_kv_heads, O_PARTS=self.o_parts,
+            HEADS=self.num_heads, KV_HEADS=self.num_kv_heads, KV_PAD=triton.next_power_of_2(self.num_kv_heads),
             HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
             GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
             **dict(zip((f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")), self.plans)),
@@ -723,20 +687,13 @@ class DecoderLayerKernel:
         apart = phased and not many_keys
         programs = list(self.launch_programs)
         programs[1] = self.num_kv_heads * (self.partitions + apart)
-        cuda_gate_up = phased and self._cuda_gate_up(x_in)
         for phase in range(PHASES) if phased else (-1,):
-            trace = self.barrier if self.trace is None else self.trace[layer, phase]
-            if phase == 3 and cuda_gate_up:
-                torch.ops.pagedllm.decode_gate_up_b1(
-                    self.o_out, self.res_mid, w.post_norm, w.post_eps, w.gate_up, self.residual, self.act,
-                    self.gate_up_rows, self.num_programs, dependent["PDL"],
-                    None if self.trace is None else trace[:self.num_programs])
-                continue
             warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
             # LONG only where attention runs (gate_up's register cap follows it and many_keys): the other phases'
             # kernels stay one compiled variant. The projection phases contract products and sums into FMAs (they
             # are bound by their instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE
             # kernel has them (fused.py).
+            trace = self.barrier if self.trace is None else self.trace[layer, phase]
             grid = (programs[phase] if phase >= 0 else self.num_programs,)
             _decoder_layer_kernel[grid](*args, trace=trace, TRACE=self.trace is not None, PHASE=phase,
                                         LONG=long and phase in (-1, 1), NEWEST_APART=apart and phase == 1,

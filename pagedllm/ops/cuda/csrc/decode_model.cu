@@ -35,7 +35,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "gemv.cuh"
 #include "host_utils.h"
 #include "ops.h"
 
@@ -89,6 +88,14 @@ struct Params {
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
 
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 __device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -116,11 +123,60 @@ __device__ __forceinline__ void mark(const Params& p, int layer, int point) {
   }
 }
 
-using Vec = GemvInput<kMaxChunks>;
+// ---------------------------------------------------------------------------------------------------------
+// Element helpers
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float rnd(float v) {  // v rounded to T, as a tensor of T would hold it
+  return to_float(from_float<T>(v));
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&u));
+  } else {
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+  }
+}
+
+// 8 T values (16 bytes) as floats.
+template <typename T>
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = unpack2<T>(u[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+}
+
+__device__ __forceinline__ float warp_sum(float v) { return warp_sum_xor(v, 16, 1); }
+
+using Vec = float[kMaxChunks][8];  // a GEMV input: lane l holds elements 8 (32 c + l) ... + 7
+
+__device__ __forceinline__ bool chunk_ok(int c, int k8) { return c * 32 + static_cast<int>(threadIdx.x % 32) < k8; }
 
 // A GEMV's input goes through the block's shared memory: one L2 read per block. When every warp of every block
 // read the same few KB from the L2 right after a grid barrier (1056 warps), those lines became a hotspot that
 // cost ~10 us a layer.
+
+// x from the block's copy; chunks past k are zeroed, not skipped: every element written kills x's previous phase.
+template <typename T>
+__device__ __forceinline__ void vec_to_regs(const T* vec, int k, Vec& x) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) {
+    const uint4 v = chunk_ok(c, k / 8) ? reinterpret_cast<const uint4*>(vec)[c * 32 + lane] : uint4{};
+    unpack8<T>(v, x[c]);
+  }
+}
 
 // vec = src [k] (another phase's output).
 template <typename T>
@@ -259,6 +315,39 @@ __device__ void produce(const Params& p, Ring ring) {
   }
 }
 
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+// One row of a stage dotted with x (all lanes get the sum). The loads go out four chunks at a time ahead of their
+// math, as explicit shared-memory loads: one generic load per chunk, each waited for, made the GEMVs ~1.5x slower
+// (917 against 1010 us for the model's forward, benchmarks/decode_layer.py).
+template <typename T>
+__device__ __forceinline__ float dot_row(const T* row, const Vec& x, int k8) {
+  const uint32_t base = smem_addr(row) + (threadIdx.x % 32) * 16;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int c0 = 0; c0 < kMaxChunks; c0 += 4) {
+    if (c0 * 32 >= k8) break;
+    uint4 w[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) w[c] = chunk_ok(c0 + c, k8) ? lds128(base + (c0 + c) * 512) : uint4{};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint32_t u[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(u[i]);
+        acc[i] = fmaf(f.x, x[c0 + c][2 * i], acc[i]);
+        acc[i] = fmaf(f.y, x[c0 + c][2 * i + 1], acc[i]);
+      }
+    }
+  }
+  return warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+
 // The consumer side of one projection: this block's rows out of the ring, dealt to the warps round-robin over
 // the whole share (so no warp always gets a stage's odd rows); out(row, dot, second dot of a pair).
 template <typename T, int HEAD, typename Out>
@@ -273,9 +362,8 @@ __device__ __forceinline__ void consume(const Params& p, Ring& ring, int mat, co
     const int n = min(step, rows.y - r);
     const T* stage = reinterpret_cast<const T*>(ring.stages + static_cast<int64_t>(s) * kStageBytes);
     for (int i = ((warp - (r - rows.x)) % kWarps + kWarps) % kWarps; i < n; i += kWarps) {
-      const float a = dot_row<T, kMaxChunks>(stage + static_cast<int64_t>(i) * g.k, x, g.k / 8);
-      const float b =
-          g.pairs == 2 ? dot_row<T, kMaxChunks>(stage + static_cast<int64_t>(n + i) * g.k, x, g.k / 8) : 0.f;
+      const float a = dot_row<T>(stage + static_cast<int64_t>(i) * g.k, x, g.k / 8);
+      const float b = g.pairs == 2 ? dot_row<T>(stage + static_cast<int64_t>(n + i) * g.k, x, g.k / 8) : 0.f;
       out(r + i, a, b);
     }
     __syncwarp();
@@ -635,7 +723,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_model_kernel(const __grid_
                     layer ? static_cast<const T*>(p.residual) : nullptr, norm_w, p.eps, p.hidden,
                     writer ? static_cast<T*>(p.res_mid) : nullptr, vec, red);
       if (threadIdx.x == 0) mark(p, layer, 12);
-      vec_to_regs<T, kMaxChunks>(vec, p.hidden, x);
+      vec_to_regs<T>(vec, p.hidden, x);
       const T* bias = p.qkv_bias ? reinterpret_cast<const T*>(lp[kQkvBias]) : nullptr;
       consume<T, HEAD>(p, ring, kMatQkv, x, [&](int row, float a, float) {
         if (lane == 0) static_cast<T*>(p.qkv)[row] = from_float<T>(bias ? a + to_float(bias[row]) : a);
@@ -648,7 +736,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_model_kernel(const __grid_
     barrier();
     {  // C: o_proj
       stage_vec<T>(static_cast<const T*>(p.attn_out), p.heads * HEAD, vec);
-      vec_to_regs<T, kMaxChunks>(vec, p.heads * HEAD, x);
+      vec_to_regs<T>(vec, p.heads * HEAD, x);
       consume<T, HEAD>(p, ring, kMatO, x, [&](int row, float a, float) {
         if (lane == 0) p.o_out[row] = a;
       });
@@ -659,7 +747,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_model_kernel(const __grid_
       stage_norm<T>(p.o_out, nullptr, static_cast<const T*>(p.res_mid), norm_w, p.post_eps, p.hidden,
                     writer ? static_cast<T*>(p.residual) : nullptr, vec, red);
       if (threadIdx.x == 0) mark(p, layer, 13);
-      vec_to_regs<T, kMaxChunks>(vec, p.hidden, x);
+      vec_to_regs<T>(vec, p.hidden, x);
       consume<T, HEAD>(p, ring, kMatGateUp, x, [&](int row, float a, float b) {
         const float gate = rnd<T>(a);
         if (lane == 0) {
@@ -670,7 +758,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_model_kernel(const __grid_
     barrier();
     {  // E: down_proj
       stage_vec<T>(static_cast<const T*>(p.act), p.inter, vec);
-      vec_to_regs<T, kMaxChunks>(vec, p.inter, x);
+      vec_to_regs<T>(vec, p.inter, x);
       consume<T, HEAD>(p, ring, kMatDown, x, [&](int row, float a, float) {
         if (lane == 0) p.x[row] = a;
       });

@@ -57,14 +57,6 @@ void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual
                      int64_t cache_stride_head, int64_t num_blocks, double eps, double post_eps, double qk_eps,
                      double scale, bool qk_norm, bool qkv_bias, const std::optional<at::Tensor>& trace);
 
-// Phase D of the batch-1 decoder-layer kernel (decode_gate_up.cu): h = sum over o_part's columns + res_mid into
-// residual, RMSNorm(h) * norm_w, and act = silu(gate) * up over gate_up [2 inter, hidden], `rows` row pairs a
-// block on `blocks` blocks. pdl: launched as a programmatic dependent of the kernel before it. trace: optional
-// int64 [blocks, 2], each block's start and end.
-void decode_gate_up_b1(const at::Tensor& o_part, const at::Tensor& res_mid, const at::Tensor& norm_w, double eps,
-                       const at::Tensor& gate_up, at::Tensor& residual, at::Tensor& act, int64_t rows,
-                       int64_t blocks, bool pdl, const std::optional<at::Tensor>& trace);
-
 // XAttention's block-sparse attention on Hopper (sparse_attention.cu): query/key/value [batch, heads, len, 128]
 // bf16; the listed key blocks as pagedllm/ops/xattention/sparse_attention.py builds them.
 void xattn_sparse_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

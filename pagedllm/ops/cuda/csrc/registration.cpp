@@ -28,8 +28,6 @@ TORCH_LIBRARY(pagedllm, m) {
         "int hidden, int inter, int heads, int kv_heads, int head_size, int block_size, int cache_stride_block, "
         "int cache_stride_head, int num_blocks, float eps, float post_eps, float qk_eps, float scale, "
         "bool qk_norm, bool qkv_bias, Tensor(t!)? trace=None) -> ()");
-  m.def("decode_gate_up_b1(Tensor o_part, Tensor res_mid, Tensor norm_w, float eps, Tensor gate_up, "
-        "Tensor! residual, Tensor! act, int rows, int blocks, bool pdl, Tensor(t!)? trace=None) -> ()");
   m.def("xattn_sparse_attention(Tensor! out, Tensor query, Tensor key, Tensor value, Tensor kv_idx, Tensor kv_count, "
         "int stride_ob, int stride_ot, int stride_oh, int group, float qk_scale, bool causal) -> ()");
 }
@@ -40,6 +38,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CUDA, m) {
   m.impl("paged_attention_split", &pagedllm::paged_attention_split);
   m.impl("reshape_and_cache", &pagedllm::reshape_and_cache);
   m.impl("decode_model_b1", &pagedllm::decode_model_b1);
-  m.impl("decode_gate_up_b1", &pagedllm::decode_gate_up_b1);
   m.impl("xattn_sparse_attention", &pagedllm::xattn_sparse_attention);
 }
