@@ -236,6 +236,29 @@ def test_split_k_supported_shapes():
     assert not ops.split_k_supported(torch.cat([gate_up, gate_up[:1]]), w, None, gated=True)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_head_linear_is_the_product_in_the_model_dtype(rows):
+    """The LM head of few rows: x W^T written as logits of x's dtype, the float32 sums rounded once."""
+    from pagedllm.ops.triton import linear as ops
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256 + 8, generator=gen).half()[:, 8:]  # strided rows
+    w = (torch.randn(192, 256, generator=gen) / 16).half()
+    assert ops.head_supported(x, w)
+    logits = ops.head_linear(x, w)
+    assert logits.shape == (rows, 192) and logits.dtype == torch.float16
+    torch.testing.assert_close(logits, (x.float() @ w.float().T).half(), rtol=1e-3, atol=1e-3)
+
+
+def test_head_supported_shapes():
+    from pagedllm.ops.triton import linear as ops
+    x, w = torch.zeros(ops.MAX_HEAD_ROWS, 256, dtype=torch.float16), torch.zeros(49152, 256, dtype=torch.float16)
+    assert ops.head_supported(x, w)
+    assert not ops.head_supported(torch.zeros(ops.MAX_HEAD_ROWS + 1, 256, dtype=torch.float16), w)  # cuBLAS wins
+    assert not ops.head_supported(x.float(), w.float())
+    assert not ops.head_supported(x, w[:49152 - 32])  # the vocabulary not a multiple of the 64-row tile
+    assert not ops.head_supported(x[:, :192], w[:, :192])  # hidden not a multiple of the 128-wide tile
+
+
 @pytest.mark.parametrize("parts", [1, 4])
 def test_rms_norm_split_k_is_rms_norm_of_the_sum(parts):
     gen = torch.Generator().manual_seed(parts)

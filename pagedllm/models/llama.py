@@ -14,7 +14,7 @@ from torch import nn
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, Rope
 from pagedllm.layers.linear import ResidualLinear
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.norm import RMSNorm, fused_kernels
 from pagedllm.layers.rotary import RotaryEmbedding, rope_config
 from pagedllm.models.fused_decode import fused_decode
 
@@ -146,6 +146,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] (only the positions to sample) -> logits [N, vocab] in the model's dtype: a
         greedy step takes the argmax as it is, and the sampler upcasts only when it has more to do."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        kernels = fused_kernels(hidden)
+        if kernels is not None and kernels.head_supported(hidden, weight):  # decode steps of few sequences
+            return kernels.head_linear(hidden, weight)
         return nn.functional.linear(hidden, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -212,6 +212,22 @@ def test_kernels_replay_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("rows", [1, 7, 32, 33])
+@pytest.mark.parametrize("vocab,hidden", [(151936, 1024), (128256, 4096)])  # Qwen3-0.6B's head, Llama 3 8B's
+@torch.inference_mode()
+def test_lm_head_of_few_rows_equals_cublas(dtype, rows, vocab, hidden):
+    """compute_logits on the fused path: up to MAX_HEAD_ROWS rows take head_linear, whose logits are cuBLAS's to
+    the rounding of one float32 sum of the same products; more rows keep cuBLAS."""
+    gen = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=gen, device=DEV).to(dtype)
+    weight = (torch.randn(vocab, hidden, generator=gen, device=DEV) / hidden ** 0.5).to(dtype)
+    assert fused.head_supported(x, weight) == (rows <= 32)
+    logits = fused.head_linear(x, weight)
+    assert logits.dtype == dtype and logits.shape == (rows, vocab)
+    assert_ulps(logits, torch.nn.functional.linear(x, weight), 2, of_largest=True)
+
+
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 96, 160, 200, 256])
 # o_proj (not gated) and down_proj (gated: SiLU-and-mul of gate_up's output) of Qwen3-0.6B and Llama 3 8B
 @pytest.mark.parametrize("n,k,gated", [(1024, 2048, False), (1024, 3072, True), (4096, 4096, False),

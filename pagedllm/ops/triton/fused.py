@@ -15,7 +15,7 @@ import triton.language as tl
 
 from . import _host, pdl
 from .cache import store_quantized
-from .linear import split_k_linear, split_k_supported  # noqa: F401  (the layers' decode GEMM, same switch)
+from .linear import head_linear, head_supported, split_k_linear, split_k_supported  # noqa: F401  (same switch)
 from .paged_tile import cache_offsets, load_scale
 
 

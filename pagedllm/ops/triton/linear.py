@@ -10,6 +10,8 @@ its N, so a batch of 1 wastes no MMA rows) and arrives by TMA. Each program stor
 summing them in the norm kernel, in a fixed order, keeps the result deterministic without a reduce kernel
 or a semaphore (a last-program reduce inside this kernel cost ~1.5 us of tail, most of the gain). For
 down_proj the MLP's SiLU-and-mul is applied as x is loaded (`gated`), so that kernel goes too.
+
+The LM head of decode steps of up to MAX_HEAD_ROWS sequences runs the same kernel unsplit (`head_linear`).
 """
 import torch
 import triton
@@ -29,6 +31,13 @@ MAX_OUTPUT_TILES = 32
 # than the SiLU kernel (down_proj + norm 9.6 -> 8.3 us at one row); at 32 rows it breaks even and at 64 it loses
 # (10.2 -> 12.5 us), so more rows take the SiLU kernel and the plain split-K GEMM.
 MAX_GATED_ROWS = 16
+# The LM head (N the vocabulary, K the hidden size) runs the same kernel unsplit, writing logits in the model dtype:
+# its thousands of 64-row weight tiles fill the GPU, and it streams the weight at ~3.05 TB/s where cuBLAS reads it
+# at ~2.8 (H100, twenty-fifth session, benchmarks/results/README.md: Qwen3-0.6B's 151936 x 1024 head at one row
+# 101.8 against 111.0 us, at 32 rows 112.2 against 118.1; Llama 3 8B's 128256 x 4096 341.8 / 359.3 against 371.8 /
+# 381.1). From 64 rows on each 64-row tile of x re-reads the weight and cuBLAS wins (Qwen3's head at 128 rows:
+# 244 against 129 us).
+MAX_HEAD_ROWS = 32
 
 
 @triton.jit
@@ -72,19 +81,37 @@ def _config(m: int, n: int, k: int):
     return bm, bn, bk, split, 4, 4
 
 
+def _tileable(x: torch.Tensor, weight: torch.Tensor, k_x: int, max_rows: int) -> bool:
+    """16-bit x [..., k_x] of at most max_rows rows and a weight of its dtype that the 64 x 128 tiles cover and a
+    TMA descriptor can read (unit inner stride, 16-byte rows and base)."""
+    n, k = weight.shape
+    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.shape[-1] == k_x
+            and x.numel() // k_x <= max_rows and x.stride(-1) == 1 and n % 64 == 0 and k % 128 == 0
+            and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0)
+
+
 def split_k_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       gated: bool = False) -> bool:
     """Whether the layers should take `split_k_linear` for F.linear(x, weight, bias) (gated: of
-    silu_and_mul(x)): 16-bit, no bias, a weight TMA can tile, and a shape where it beats cuBLAS (MAX_ROWS,
-    MAX_OUTPUT_TILES, MAX_GATED_ROWS)."""
+    silu_and_mul(x)): no bias, and a shape where it beats cuBLAS (MAX_ROWS, MAX_OUTPUT_TILES, MAX_GATED_ROWS)."""
     n, k = weight.shape
-    k_x = 2 * k if gated else k
-    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bias is None
-            and x.shape[-1] == k_x and x.numel() // k_x <= (MAX_GATED_ROWS if gated else MAX_ROWS)
-            and x.stride(-1) == 1
-            and n % 64 == 0 and n // 64 <= MAX_OUTPUT_TILES and k % 128 == 0
-            # what a TMA descriptor of the weight needs: unit inner stride, 16-byte rows and base
-            and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0)
+    return (bias is None and n // 64 <= MAX_OUTPUT_TILES
+            and _tileable(x, weight, 2 * k if gated else k, MAX_GATED_ROWS if gated else MAX_ROWS))
+
+
+def head_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the LM head F.linear(x, weight) should take `head_linear` (MAX_HEAD_ROWS)."""
+    return _tileable(x, weight, weight.shape[1], MAX_HEAD_ROWS)
+
+
+def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] @ weight [N, K]^T as [rows, N] in x's dtype: the kernel unsplit, its float32 sums rounded as
+    they are stored."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    out = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(rows, weight, out, (max(16, triton.next_power_of_2(m)), 64, 128, 1, 4, 4), False)  # one row tile
+    return out
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None, gated: bool = False) -> torch.Tensor:
@@ -95,14 +122,21 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config=None, gated: bo
     if x.shape[-1] != (2 * k if gated else k):
         raise ValueError(f"split_k_linear: x has {x.shape[-1]} features for a weight of {k} inputs (gated={gated})")
     rows = x.reshape(-1, x.shape[-1])
+    config = config or _config(rows.shape[0], n, k)
+    partials = torch.empty(config[3], rows.shape[0], n, dtype=torch.float32, device=x.device)
+    _launch(rows, weight, partials, config, gated)
+    return partials
+
+
+def _launch(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config, gated: bool) -> None:
+    """The kernel on rows [M, K or 2K] into out [SPLIT, M, N] (or [M, N] unsplit), stored in out's dtype."""
+    n, k = weight.shape
     m = rows.shape[0]
-    bm, bn, bk, split, stages, warps = config or _config(m, n, k)
+    bm, bn, bk, split, stages, warps = config
     if n % bn or k % (bk * split):
         raise ValueError(f"split_k_linear: config {(bm, bn, bk, split)} does not tile N={n}, K={k}")
-    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
-    _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, partials, m, n, k, k // split, rows.stride(0),
+    _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, out, m, n, k, k // split, rows.stride(0),
                                                           BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated,
                                                           num_warps=warps, enable_fp_fusion=False,
-                                                          **pdl.options(x))
-    return partials
+                                                          **pdl.options(rows))
