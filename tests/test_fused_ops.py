@@ -254,6 +254,7 @@ def test_head_supported_shapes():
     x, w = torch.zeros(ops.MAX_HEAD_ROWS, 256, dtype=torch.float16), torch.zeros(49152, 256, dtype=torch.float16)
     assert ops.head_supported(x, w)
     assert not ops.head_supported(torch.zeros(ops.MAX_HEAD_ROWS + 1, 256, dtype=torch.float16), w)  # cuBLAS wins
+    assert not ops.head_supported(x[:0], w)
     assert not ops.head_supported(x.float(), w.float())
     assert not ops.head_supported(x, w[:49152 - 32])  # the vocabulary not a multiple of the 64-row tile
     assert not ops.head_supported(x[:, :192], w[:, :192])  # hidden not a multiple of the 128-wide tile

@@ -82,11 +82,11 @@ def _config(m: int, n: int, k: int):
 
 
 def _tileable(x: torch.Tensor, weight: torch.Tensor, k_x: int, max_rows: int) -> bool:
-    """16-bit x [..., k_x] of at most max_rows rows and a weight of its dtype that the 64 x 128 tiles cover and a
+    """16-bit x [..., k_x] of 1 to max_rows rows and a weight of its dtype that the 64 x 128 tiles cover and a
     TMA descriptor can read (unit inner stride, 16-byte rows and base)."""
     n, k = weight.shape
     return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.shape[-1] == k_x
-            and x.numel() // k_x <= max_rows and x.stride(-1) == 1 and n % 64 == 0 and k % 128 == 0
+            and 0 < x.numel() // k_x <= max_rows and x.stride(-1) == 1 and n % 64 == 0 and k % 128 == 0
             and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0)
 
 
@@ -134,7 +134,7 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config,
     m = rows.shape[0]
     bm, bn, bk, split, stages, warps = config
     if n % bn or k % (bk * split):
-        raise ValueError(f"split_k_linear: config {(bm, bn, bk, split)} does not tile N={n}, K={k}")
+        raise ValueError(f"split-K kernel: config {(bm, bn, bk, split)} does not tile N={n}, K={k}")
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
     _split_k_kernel[(n // bn, triton.cdiv(m, bm), split)](rows, w_desc, out, m, n, k, k // split, rows.stride(0),
                                                           BM=bm, BN=bn, BK=bk, STAGES=stages, GATED=gated,
