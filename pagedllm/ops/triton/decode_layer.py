@@ -111,6 +111,14 @@ def _grid_sync(barrier, target):
 
 
 @triton.jit
+def _launch_dependents_after(dep):
+    """griddepcontrol.launch_dependents once dep (a tensor) is computed: pdl.gdc_launch_dependents has no
+    operands, so the compiler may issue it anywhere after the last barrier before it."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,f", [dep.to(tl.float32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _globaltimer():
     """The GPU's nanosecond clock (the trace's timestamps)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
@@ -417,7 +425,7 @@ def _decoder_layer_kernel(
     pid = tl.program_id(0)
     if TRACE:
         started = _globaltimer()
-    if PDL:
+    if PDL and PHASE != 3:
         # Launched as a programmatic dependent of the previous phase: let the next phase's programs start as
         # SMs free up (they can issue their weight loads), and wait for the previous phase before reading
         # anything it wrote. Every program waits, so a phase completes only after the one before it.
@@ -473,6 +481,13 @@ def _decoder_layer_kernel(
         if PDL:
             pdl.gdc_wait()
         h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD, KV_HEADS, KV_PAD)
+        if PDL:
+            # down_proj's programs start only now: launched with this phase's, their 6 MB of weights streamed
+            # beside gate_up's 13 MB, which its programs request only as o_proj's leave the SMs. On the H100
+            # (twenty-fifth session, benchmarks/results/README.md) this phase then ended 8.2 us after o_proj
+            # instead of 9.0 and down_proj's 0.2 us later; the forward at 1024 / 1500 / 4000 / 8000 tokens 618 /
+            # 641 / 762 / 948 -> 610 / 634 / 757 / 945 us (64 tokens: 618 -> 619).
+            _launch_dependents_after(x)
         if pid == 0:
             tl.store(residual + cols, h, mask=cols < D)
         _gemv(w_gate_up, share, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False, D, 1)
