@@ -375,6 +375,18 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     assert error["error"]["message"]
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(10**9): 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(10**9): 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+])
+def test_bad_requests_name_the_field_at_fault(server, path, body, param):
+    status, error = post(server, path, body)
+    assert status == 400 and error["error"]["param"] == param, error
+
+
 def test_api_key_is_required_and_server_keeps_serving(server, client):
     for key in (None, "wrong-key"):
         status, error = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, key=key)

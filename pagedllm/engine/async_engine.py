@@ -66,6 +66,7 @@ class AsyncLLMEngine:
         self.engine = LLMEngine(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        self.vocab_size = self.engine.hf_config.vocab_size
         self.max_waiting_requests = max_waiting_requests
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
         self._streams: dict[str, OutputStream] = {}

@@ -89,6 +89,7 @@ class _Generation:
     request_id: str
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
+    prompt_param: str  # the request field the prompts came from, named in errors about them
     start: float = field(default_factory=time.perf_counter)
     # Every chunk of a stream and the final response carry this one timestamp, as OpenAI's do.
     created: int = field(default_factory=lambda: int(time.time()))
@@ -100,8 +101,8 @@ class _Generation:
 
     async def add_requests(self) -> None:
         max_len = self.engine.config.max_model_len
-        for _, ids in self.prompts:
-            if self.params.max_tokens is not None and len(ids) + self.params.max_tokens > max_len:
+        for _, ids in self.prompts:  # (a prompt that alone fills the context is the engine's error about it)
+            if self.params.max_tokens is not None and len(ids) < max_len < len(ids) + self.params.max_tokens:
                 raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you "
                                     f"requested {len(ids) + self.params.max_tokens} tokens ({len(ids)} in the "
                                     f"prompt, {self.params.max_tokens} for the completion).", param="max_tokens")
@@ -111,7 +112,7 @@ class _Generation:
         except BaseException as e:
             self.stream.abort()
             if isinstance(e, ValueError):
-                raise APIError(400, str(e), param="prompt") from e
+                raise APIError(400, str(e), param=self.prompt_param) from e
             if isinstance(e, EngineOverloaded):
                 raise APIError(503, f"The server is overloaded: {e}. Retry later.", type="server_error",
                                code="overloaded") from e
@@ -264,11 +265,18 @@ class OpenAIServing:
             params = req.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
-        limit = self.engine.config.max_logprobs  # the engine's option, checked here to name the field
+        chat = prefix == "chatcmpl"
+        # What the engine also rejects, checked here to name the field.
+        limit = self.engine.config.max_logprobs
         if logprobs is not None and logprobs > limit:
             raise APIError(400, f"{logprobs} logprobs requested, more than max_logprobs={limit}",
-                           param="top_logprobs" if prefix == "chatcmpl" else "logprobs")
-        gen = _Generation(self.engine, self.metrics, random_id(prefix), prompts, params)
+                           param="top_logprobs" if chat else "logprobs")
+        vocab = self.engine.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise APIError(400, f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})",
+                           param="logit_bias")
+        gen = _Generation(self.engine, self.metrics, random_id(prefix), prompts, params,
+                          "messages" if chat else "prompt")
         await gen.add_requests()
         return gen
 
