@@ -11,9 +11,7 @@ runs those steps, as before); "persistent" runs each layer as one launch with
 grid barriers (decode_layer says why that is not the default); "cuda" runs the whole model as one CUDA launch
 whose weights stream independently of the layers' dependency chain (pagedllm/ops/cuda/decode_model.py;
 slower than the default so far, benchmarks/results/README.md), where the CUDA op library builds and the
-model fits it; "cluster" runs each layer's first three phases (norm + qkv, attention, o_proj) as one CUDA launch of
-thread-block clusters that exchange through distributed shared memory (pagedllm/ops/cuda/decode_cluster.py;
-Hopper). Read at every step, so a test or an A/B run can switch it between steps.
+model fits it. Read at every step, so a test or an A/B run can switch it between steps.
 """
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ from pagedllm.layers.norm import fused_kernels
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGEDLLM_DECODE_LAYER"
-MODES = ("auto", "triton", "persistent", "cuda", "cluster")
+MODES = ("auto", "triton", "persistent", "cuda")
 
 
 class FusedDecode:
@@ -95,17 +93,7 @@ def _build(model, device: torch.device, mode: str) -> FusedDecode | CudaDecode |
     if (DecoderLayerKernel.unsupported(*shape, programs) is not None
             or mode == "auto" and DecoderLayerKernel.streams_weights(*shape, programs)):
         return None
-    cluster = mode == "cluster" and _cluster_runs(shape, device)
-    return FusedDecode(model, DecoderLayerKernel(*shape, device, persistent=mode == "persistent", cluster=cluster))
-
-
-def _cluster_runs(shape, device: torch.device) -> bool:
-    from pagedllm.ops.cuda import decode_cluster
-    hidden, _, heads, kv_heads, head_size, dtype = shape
-    reason = decode_cluster.unsupported(hidden, heads, kv_heads, head_size, dtype, device)
-    if reason is not None:
-        logger.warning("%s=cluster: %s; decode steps take the Triton kernel's five launches", ENV_VAR, reason)
-    return reason is None
+    return FusedDecode(model, DecoderLayerKernel(*shape, device, persistent=mode == "persistent"))
 
 
 def _build_cuda(model, device: torch.device, shape) -> CudaDecode | None:

@@ -31,8 +31,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # compiled; headers only enter the hash
-SOURCES = ("decode.cu", "cache.cu", "decode_model.cu", "decode_cluster.cu", "sparse_attention.cu",
-           "registration.cpp")
+SOURCES = ("decode.cu", "cache.cu", "decode_model.cu", "sparse_attention.cu", "registration.cpp")
 NVCC_FLAGS = ("-O3", "-lineinfo")  # torch adds its own -std (C++17 or 20, matching its headers)
 CXX_FLAGS = ("-O3",)
 CHECK_ARCH = "sm_90a"

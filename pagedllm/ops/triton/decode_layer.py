@@ -563,7 +563,7 @@ class DecoderLayerKernel:
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
                  head_size: int, dtype: torch.dtype, device: torch.device, num_programs: int | None = None,
-                 persistent: bool = False, cluster: bool = False) -> None:
+                 persistent: bool = False) -> None:
         num_programs = num_programs or default_programs(device)
         reason = self.unsupported(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, dtype,
                                   num_programs)
@@ -571,8 +571,6 @@ class DecoderLayerKernel:
             raise ValueError(f"decoder-layer kernel: {reason}")
         self.num_programs = num_programs
         self.persistent = persistent
-        # the first three phases as pagedllm.ops.cuda.decode_cluster's launch (CUDA tensors, five-launch mode)
-        self.cluster = cluster
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype = dtype
@@ -704,13 +702,7 @@ class DecoderLayerKernel:
         apart = phased and not many_keys
         programs = list(self.launch_programs)
         programs[1] = self.num_kv_heads * (self.partitions + apart)
-        phases = range(PHASES) if phased else (-1,)
-        if self.cluster and phased and x_in.is_cuda:
-            from pagedllm.ops.cuda import decode_cluster
-            decode_cluster.attention(x_in, self.residual, self.res_mid, self.o_out, w, key_cache, value_cache, scale,
-                                     cos_sin_cache, positions, slot_mapping, seq_lens, block_table)
-            phases = (3, 4)
-        for phase in phases:
+        for phase in range(PHASES) if phased else (-1,):
             warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
             # LONG only where attention runs (gate_up's register cap follows it and many_keys): the other phases'
             # kernels stay one compiled variant. The projection phases contract products and sums into FMAs (they

@@ -35,7 +35,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "batch1.cuh"
 #include "host_utils.h"
 #include "ops.h"
 
@@ -89,6 +88,14 @@ struct Params {
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
 
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 __device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -119,6 +126,39 @@ __device__ __forceinline__ void mark(const Params& p, int layer, int point) {
 // ---------------------------------------------------------------------------------------------------------
 // Element helpers
 // ---------------------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float rnd(float v) {  // v rounded to T, as a tensor of T would hold it
+  return to_float(from_float<T>(v));
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&u));
+  } else {
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+  }
+}
+
+// 8 T values (16 bytes) as floats.
+template <typename T>
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = unpack2<T>(u[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+}
+
+__device__ __forceinline__ float warp_sum(float v) { return warp_sum_xor(v, 16, 1); }
+
 using Vec = float[kMaxChunks][8];  // a GEMV input: lane l holds elements 8 (32 c + l) ... + 7
 
 __device__ __forceinline__ bool chunk_ok(int c, int k8) { return c * 32 + static_cast<int>(threadIdx.x % 32) < k8; }
@@ -275,6 +315,12 @@ __device__ void produce(const Params& p, Ring ring) {
   }
 }
 
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
 // One row of a stage dotted with x (all lanes get the sum). The loads go out four chunks at a time ahead of their
 // math, as explicit shared-memory loads: one generic load per chunk, each waited for, made the GEMVs ~1.5x slower
 // (917 against 1010 us for the model's forward, benchmarks/decode_layer.py).
@@ -328,21 +374,62 @@ __device__ __forceinline__ void consume(const Params& p, Ring& ring, int mat, co
 // ---------------------------------------------------------------------------------------------------------
 // Attention (phase B)
 // ---------------------------------------------------------------------------------------------------------
+template <int N>
+struct Elems {
+  float v[N];
+};
+
 // A head of `HEAD` T values at src: lane l's EPL consecutive elements (l * EPL ...), RMSNormed with w if
-// given, rotated (norm_rotate).
+// given, rotated neox style (element d pairs with d + HEAD/2, held by lane l ^ 16).
 template <typename T, int HEAD>
 __device__ __forceinline__ Elems<HEAD / 32> rotated_head(const T* src, const T* norm_w, float eps,
                                                          const Elems<HEAD / 32>& cos, const Elems<HEAD / 32>& sin) {
   constexpr int EPL = HEAD / 32;
   const int lane = threadIdx.x % 32;
-  Elems<EPL> x, w;
+  Elems<EPL> x;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) x.v[e] = to_float(__ldcg(src + lane * EPL + e));
+  if (norm_w != nullptr) {
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) ss += x.v[e] * x.v[e];
+    const float rstd = rsqrtf(warp_sum(ss) / HEAD + eps);
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) x.v[e] = rnd<T>(to_float(norm_w[lane * EPL + e]) * rnd<T>(x.v[e] * rstd));
+  }
+  Elems<EPL> out;
+  const float sign = lane < 16 ? -1.f : 1.f;  // first half: x1 cos - x2 sin; second: x2 cos + x1 sin
 #pragma unroll
   for (int e = 0; e < EPL; ++e) {
-    x.v[e] = to_float(__ldcg(src + lane * EPL + e));
-    w.v[e] = norm_w != nullptr ? to_float(norm_w[lane * EPL + e]) : 0.f;
+    const float partner = __shfl_xor_sync(0xffffffffu, x.v[e], 16);
+    out.v[e] = rnd<T>(rnd<T>(x.v[e] * cos.v[e]) + sign * rnd<T>(partner * sin.v[e]));
   }
-  return norm_rotate<T, HEAD>(x, norm_w != nullptr, w, eps, cos, sin);
+  return out;
 }
+
+template <typename T, int EPL>
+__device__ __forceinline__ Elems<EPL> load_elems(const T* src) {
+  Elems<EPL> out;
+  if constexpr (EPL == 4) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(src);
+    const float2 a = unpack2<T>(raw.x), b = unpack2<T>(raw.y);
+    out.v[0] = a.x, out.v[1] = a.y, out.v[2] = b.x, out.v[3] = b.y;
+  } else {
+    const float2 a = unpack2<T>(*reinterpret_cast<const uint32_t*>(src));
+    out.v[0] = a.x, out.v[1] = a.y;
+  }
+  return out;
+}
+
+template <typename T, int EPL>
+__device__ __forceinline__ void store_elems(T* dst, const Elems<EPL>& x) {
+  if constexpr (EPL == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(x.v[0], x.v[1]), pack2<T>(x.v[2], x.v[3]));
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = pack2<T>(x.v[0], x.v[1]);
+  }
+}
+
 
 // Attention items: (kv head, partition of the context), partitions of whole 16-token multiples.
 __device__ __forceinline__ int2 partition_of(const Params& p, int item) {
@@ -682,6 +769,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_model_kernel(const __grid_
       grid_sync(p.sync, target += gridDim.x);
     }
   }
+}
+
+void check_buffer(const at::Tensor& t, const at::Tensor& like, at::ScalarType dtype, int64_t numel,
+                  const char* name) {
+  check_cuda(t, like, name);
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.numel() >= numel, name, " must be a contiguous ",
+              dtype, " tensor of at least ", str(numel), " elements, got ", t.scalar_type(), " ", shape(t));
+  TORCH_CHECK(aligned(t.data_ptr(), 16), name, " must be 16-byte aligned");
 }
 
 }  // namespace

@@ -101,13 +101,4 @@ inline void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* 
 
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// A scratch buffer of an op: on like's device, contiguous, of dtype, at least numel elements, 16-byte aligned.
-inline void check_buffer(const at::Tensor& t, const at::Tensor& like, at::ScalarType dtype, int64_t numel,
-                         const char* name) {
-  check_cuda(t, like, name);
-  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.numel() >= numel, name, " must be a contiguous ",
-              dtype, " tensor of at least ", str(numel), " elements, got ", t.scalar_type(), " ", shape(t));
-  TORCH_CHECK(aligned(t.data_ptr(), 16), name, " must be 16-byte aligned");
-}
-
 }  // namespace pagedllm

@@ -57,19 +57,6 @@ void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual
                      int64_t cache_stride_head, int64_t num_blocks, double eps, double post_eps, double qk_eps,
                      double scale, bool qk_norm, bool qkv_bias, const std::optional<at::Tensor>& trace);
 
-// The attention half of a batch-1 decoder layer as one launch of 8-block clusters (decode_cluster.cu): residual
-// add + RMSNorm of x, qkv, q/k norm + RoPE, the new token's K/V into the caches, attention, o_proj's partial sums
-// per kv head into o_out [hidden, kv_heads], the residual stream into res_mid. decode_cluster_check raises what
-// the kernel cannot run.
-void decode_cluster_check(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_size, int64_t elem_size);
-void decode_cluster_attention(const at::Tensor& x, const at::Tensor& residual, at::Tensor& res_mid, at::Tensor& o_out,
-                              const at::Tensor& input_norm, const at::Tensor& qkv,
-                              const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
-                              const std::optional<at::Tensor>& k_norm, const at::Tensor& o, at::Tensor& key_cache,
-                              at::Tensor& value_cache, const at::Tensor& cos_sin_cache, const at::Tensor& positions,
-                              const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
-                              const at::Tensor& block_table, double eps, double qk_eps, double scale);
-
 // XAttention's block-sparse attention on Hopper (sparse_attention.cu): query/key/value [batch, heads, len, 128]
 // bf16; the listed key blocks as pagedllm/ops/xattention/sparse_attention.py builds them.
 void xattn_sparse_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

@@ -28,13 +28,6 @@ TORCH_LIBRARY(pagedllm, m) {
         "int hidden, int inter, int heads, int kv_heads, int head_size, int block_size, int cache_stride_block, "
         "int cache_stride_head, int num_blocks, float eps, float post_eps, float qk_eps, float scale, "
         "bool qk_norm, bool qkv_bias, Tensor(t!)? trace=None) -> ()");
-  m.def("decode_cluster_check(int hidden, int heads, int kv_heads, int head_size, int elem_size) -> ()",
-        &pagedllm::decode_cluster_check);
-  // Also writes the new token's K/V into key_cache and value_cache.
-  m.def("decode_cluster_attention(Tensor x, Tensor residual, Tensor! res_mid, Tensor! o_out, Tensor input_norm, "
-        "Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor o, Tensor! key_cache, "
-        "Tensor! value_cache, Tensor cos_sin_cache, Tensor positions, Tensor slot_mapping, Tensor seq_lens, "
-        "Tensor block_table, float eps, float qk_eps, float scale) -> ()");
   m.def("xattn_sparse_attention(Tensor! out, Tensor query, Tensor key, Tensor value, Tensor kv_idx, Tensor kv_count, "
         "int stride_ob, int stride_ot, int stride_oh, int group, float qk_scale, bool causal) -> ()");
 }
@@ -45,6 +38,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CUDA, m) {
   m.impl("paged_attention_split", &pagedllm::paged_attention_split);
   m.impl("reshape_and_cache", &pagedllm::reshape_and_cache);
   m.impl("decode_model_b1", &pagedllm::decode_model_b1);
-  m.impl("decode_cluster_attention", &pagedllm::decode_cluster_attention);
   m.impl("xattn_sparse_attention", &pagedllm::xattn_sparse_attention);
 }
