@@ -2,6 +2,7 @@
 without a GPU or nvcc, the decode split plan, and (where nvcc exists) the compile check that
 `make cuda-check` runs."""
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,7 @@ def test_decode_partition_plan(num_seqs, num_kv_heads, max_seq_len, expect_split
 
 def test_check_command_mirrors_the_build_flags(tmp_path):
     cmd = build.check_command(Path("decode.cu"), tmp_path / "o", ["-Iinc"], "nvcc")
-    assert build.gencode_flag(build.CHECK_ARCH) in cmd and "-DPAGEDLLM_CHECK_BUILD" in cmd
+    assert build.gencode_flag(build.CHECK_ARCHS[0]) in cmd and "-DPAGEDLLM_CHECK_BUILD" in cmd
     assert all(flag in cmd for flag in build.NVCC_FLAGS) and "--expt-relaxed-constexpr" in cmd
 
 
@@ -128,5 +129,13 @@ def test_compile_error_is_reported(tmp_path):
 
 
 @nvcc
-def test_every_source_compiles_for_sm90a():
+def test_every_source_compiles_for_hopper_and_ampere():
     build.check_compile()  # what `make cuda-check` runs
+
+
+def test_whole_model_kernel_refuses_gpus_before_hopper(monkeypatch):
+    """On an Ampere GPU the library builds with that kernel empty; the fused decode must not pick it."""
+    from pagedllm.ops.cuda.decode_model import DecodeModelKernel
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cache = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    assert "Hopper" in DecodeModelKernel.unsupported(1024, 3072, 16, 8, 128, torch.bfloat16, cache)

@@ -10,7 +10,7 @@ processes load the cached library with ``torch.ops.load_library`` without compil
     python -m pagedllm.ops.cuda --check    # compile-check only (no GPU or CUDA torch needed)
 
 ``--check`` (what ``make cuda-check`` runs) compiles every source with nvcc for
-``sm_90a`` on any machine with nvcc and torch's headers, one shape per kernel template for speed.
+``sm_90a`` and ``sm_80`` on any machine with nvcc and torch's headers, one shape per kernel template for speed.
 
 When the library cannot be had (CPU-only torch, no GPU, no nvcc or ninja, a failed compile)
 :class:`CudaOpsUnavailable` (an ImportError) says why, so callers can fall back to another backend.
@@ -34,7 +34,9 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("decode.cu", "cache.cu", "decode_model.cu", "sparse_attention.cu", "registration.cpp")
 NVCC_FLAGS = ("-O3", "-lineinfo")  # torch adds its own -std (C++17 or 20, matching its headers)
 CXX_FLAGS = ("-O3",)
-CHECK_ARCH = "sm_90a"
+# The check compiles for Hopper, what the kernels are written for, and for Ampere, where the library must build
+# too (it compiles for the GPU's own architecture): there the Hopper-only kernels are empty and refuse to launch.
+CHECK_ARCHS = ("sm_90a", "sm_80")
 ENV_CACHE_DIR = "PAGEDLLM_CACHE_DIR"
 ENV_VERBOSE = "PAGEDLLM_CUDA_VERBOSE"
 # What torch adds to every extension's nvcc command; the check mirrors it (cpp_extension.COMMON_NVCC_FLAGS).
@@ -159,7 +161,7 @@ def _torch_includes(tmp: Path) -> list[str]:
     return [f"-I{d}" for d in dirs]
 
 
-def check_command(source: Path, obj: Path, includes: list[str], nvcc: str, arch: str = CHECK_ARCH) -> list[str]:
+def check_command(source: Path, obj: Path, includes: list[str], nvcc: str, arch: str = CHECK_ARCHS[0]) -> list[str]:
     """The nvcc command compile-checking one source (the same flags as the real build, one shape per
     kernel template)."""
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
@@ -171,39 +173,43 @@ def check_command(source: Path, obj: Path, includes: list[str], nvcc: str, arch:
             "-DPAGEDLLM_CHECK_BUILD", "-diag-suppress=3306", "-Xcompiler", "-Wno-c++20-extensions"]
 
 
-def check_compile(sources: list[Path] | None = None, arch: str = CHECK_ARCH, jobs: int | None = None) -> None:
-    """Compile every source (default: the library's) to an object file in a temporary folder; raise
-    CudaOpsUnavailable without nvcc and RuntimeError with the compiler output on any error."""
+def check_compile(sources: list[Path] | None = None, archs: tuple[str, ...] = CHECK_ARCHS,
+                  jobs: int | None = None) -> None:
+    """Compile every source (default: the library's) for each arch to an object file in a temporary folder;
+    raise CudaOpsUnavailable without nvcc and RuntimeError with the compiler output on any error."""
     nvcc = _find_nvcc()
     if nvcc is None:
         raise CudaOpsUnavailable("nvcc not found: set CUDA_HOME or put nvcc on PATH")
     sources = [CSRC / s for s in SOURCES] if sources is None else [Path(s) for s in sources]
+    jobs_list = [(src, arch) for arch in archs for src in sources]
     with tempfile.TemporaryDirectory(prefix="pagedllm-cuda-check-") as tmp:
         includes = _torch_includes(Path(tmp))
 
-        def run(src: Path):
-            cmd = check_command(src, Path(tmp) / f"{src.name}.o", includes, nvcc, arch)
-            return src, subprocess.run(cmd, capture_output=True, text=True)
+        def run(job):
+            src, arch = job
+            cmd = check_command(src, Path(tmp) / f"{src.name}.{arch}.o", includes, nvcc, arch)
+            return src, arch, subprocess.run(cmd, capture_output=True, text=True)
 
-        workers = jobs or max(1, min(len(sources), os.cpu_count() or 1))
+        workers = jobs or max(1, min(len(jobs_list), os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(run, sources))
-    failed = [(src, r) for src, r in results if r.returncode != 0]
+            results = list(pool.map(run, jobs_list))
+    failed = [(src, arch, r) for src, arch, r in results if r.returncode != 0]
     if failed:
-        report = "\n".join(f"--- {src.name} (exit {r.returncode})\n{r.stdout}{r.stderr}" for src, r in failed)
-        raise RuntimeError(f"nvcc failed on {len(failed)} of {len(sources)} sources:\n{report}")
+        report = "\n".join(f"--- {src.name} for {arch} (exit {r.returncode})\n{r.stdout}{r.stderr}"
+                           for src, arch, r in failed)
+        raise RuntimeError(f"nvcc failed on {len(failed)} of {len(jobs_list)} compiles:\n{report}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
-                        help=f"compile-check every source for {CHECK_ARCH} (no GPU needed), build nothing")
+                        help=f"compile-check every source for {', '.join(CHECK_ARCHS)} (no GPU needed), build nothing")
     parser.add_argument("--verbose", action="store_true", help="show the compiler output")
     args = parser.parse_args(argv)
     try:
         if args.check:
             check_compile()
-            print(f"pagedllm CUDA sources compile for {CHECK_ARCH}: {', '.join(SOURCES)}")
+            print(f"pagedllm CUDA sources compile for {', '.join(CHECK_ARCHS)}: {', '.join(SOURCES)}")
         else:
             for index in range(max(torch.cuda.device_count(), 1)):
                 print(load_library(index, verbose=args.verbose))

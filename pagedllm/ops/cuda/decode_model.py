@@ -64,6 +64,8 @@ class DecodeModelKernel:
         """Why the kernel cannot run this model, or None."""
         if dtype not in (torch.float16, torch.bfloat16):
             return f"dtype {dtype} (float16 or bfloat16)"
+        if key_cache.is_cuda and torch.cuda.get_device_capability(key_cache.device)[0] < 9:
+            return "bulk copies need a Hopper GPU or newer"
         if (key_cache.dtype != dtype or key_cache.dim() != 4 or key_cache.stride(3) != 1
                 or key_cache.stride(2) != head_size):
             return "the KV cache must be 'hnd' [blocks, kv_heads, block_size, head_size], dense, in the model dtype"

@@ -664,6 +664,9 @@ __host__ __device__ __forceinline__ int scratch_bytes(const Params& p, int head_
 
 template <typename T, int HEAD, int GMAX>
 __global__ void __launch_bounds__(kThreads, 1) decode_model_kernel(const __grid_constant__ Params p) {
+  // Bulk copies and mbarrier transaction counts are Hopper's: built for an older GPU (the library compiles for
+  // the device's own architecture) the kernel is empty and the launcher refuses to run it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) char smem[];
   Ring ring{smem, reinterpret_cast<uint64_t*>(smem + static_cast<int64_t>(p.stages) * kStageBytes), nullptr,
             p.stages, 0};
@@ -769,6 +772,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_model_kernel(const __grid_
       grid_sync(p.sync, target += gridDim.x);
     }
   }
+#endif
 }
 
 void check_buffer(const at::Tensor& t, const at::Tensor& like, at::ScalarType dtype, int64_t numel,
@@ -805,7 +809,10 @@ void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual
   check_cuda(layers, x_in, "layers");
   const int64_t num_layers = layers.size(0);
   const int64_t group = heads / kv_heads;
-  int device = x_in.get_device(), sms = 0, smem_optin = 0;
+  int device = x_in.get_device(), sms = 0, smem_optin = 0, major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TORCH_CHECK(major >= 9, "decode_model_b1 needs a Hopper GPU or newer (bulk copies), got compute capability ",
+              str(major), ".x");
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   TORCH_CHECK(num_blocks >= kv_heads && num_blocks <= sms, "decode_model_b1: num_blocks ", str(num_blocks),
