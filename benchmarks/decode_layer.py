@@ -8,16 +8,19 @@ times as lower bounds of the engine's (its profile shows the kernel's time there
 
     python benchmarks/decode_layer.py [--context 1024]
 
---sweep instead times the model's forward under launch-config variants of the kernel, alternating, at several
-(context, graph bound) pairs: each variant is NAME=SPEC, SPEC a comma-separated list of PHASE[@WHERE]:WARPS[:REGS]
-(phase A-E; WHERE one, two or many: launches with one attention tile size, with two, or whose partitions may hold
-more than three 64-key tiles; REGS 0 or absent: no register cap), applied over the kernel's own choice; "NAME=" is
-that choice. A context may not pass its bound.
+--sweep instead times the model's forward under launch-config variants of the kernel, alternating (each run a
+process of its own), at several (context, graph bound) pairs: each variant is NAME=SPEC, SPEC a comma-separated list
+of PHASE[@WHERE]:WARPS[:REGS] (phase A-E; WHERE one, two or many: launches with one attention tile size, with two,
+or whose partitions may hold more than three 64-key tiles; REGS 0 or absent: no register cap), applied over the
+kernel's own choice; "NAME=" is that choice. A context may not pass its bound.
 
     python benchmarks/decode_layer.py --sweep base= C16=C:16 Dmany=D@many:16 --contexts 1024:2048 4000:4096
 """
 import argparse
+import json
 import os
+import subprocess
+import sys
 
 import torch
 import triton
@@ -185,41 +188,58 @@ def step_metadata(table, ctx, bound):
                                   torch.tensor([ctx], dtype=torch.int32, device="cuda"), bound, None, None, None, 0, 0)
 
 
-def sweep(model, variants, pairs, rounds=3):
-    """The forward's time (us) for each variant at each (context, bound), the variants taking turns."""
+def time_variant(model, changes, pairs):
+    """The forward's time (us) under one launch-config variant (parse_variant's changes) at each (context, bound)."""
     table = bind_caches(model, max(b for _, b in pairs), torch.Generator(device="cuda").manual_seed(0))
     ids = torch.tensor([5], device="cuda")
-    own = decode_layer.DecoderLayerKernel._launch_configs
+    decode_layer.DecoderLayerKernel._launch_configs = variant_configs(decode_layer.DecoderLayerKernel._launch_configs,
+                                                                      changes)
     os.environ[fused_decode.ENV_VAR] = "1"
-    try:
-        for ctx, bound in pairs:
-            pos, meta = step_metadata(table, ctx, bound)
-            times = {name: [] for name, _ in variants}
-            with set_forward_context(meta), torch.no_grad():
-                for _ in range(rounds):
-                    for name, changes in variants:
-                        decode_layer.DecoderLayerKernel._launch_configs = variant_configs(own, changes)
-                        times[name].append(graph_time_us(lambda: model(ids, pos), 2))
-            print(f"{ctx} tokens, bound {bound}: " + ", ".join(
-                f"{name} {' / '.join(f'{t:.1f}' for t in ts)}" for name, ts in times.items()), flush=True)
-    finally:
-        decode_layer.DecoderLayerKernel._launch_configs = own
+    times = []
+    for ctx, bound in pairs:
+        pos, meta = step_metadata(table, ctx, bound)
+        with set_forward_context(meta), torch.no_grad():
+            times.append(graph_time_us(lambda: model(ids, pos), 2))
+    return times
+
+
+def sweep(specs, pairs, rounds=3):
+    """The forward's time (us) for each variant at each (context, bound), the variants taking turns, each run in
+    a process of its own: alternating in one process, a variant timed like the one before it (its trace showed
+    that one's co-resident phases; benchmarks/results/README.md, twenty-sixth session)."""
+    names = [parse_variant(spec)[0] for spec in specs]
+    times = {name: [[] for _ in pairs] for name in names}
+    contexts = [f"{ctx}:{bound}" for ctx, bound in pairs]
+    for _ in range(rounds):
+        for name, spec in zip(names, specs):
+            out = subprocess.run([sys.executable, __file__, "--time-variant", spec, "--contexts", *contexts],
+                                 capture_output=True, text=True, check=True).stdout
+            for per_pair, t in zip(times[name], json.loads(out.strip().splitlines()[-1])):
+                per_pair.append(t)
+    for i, (ctx, bound) in enumerate(pairs):
+        print(f"{ctx} tokens, bound {bound}: " + ", ".join(
+            f"{name} {' / '.join(f'{t:.1f}' for t in ts[i])}" for name, ts in times.items()), flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--sweep", nargs="+", type=parse_variant, metavar="NAME=SPEC")
+    parser.add_argument("--sweep", nargs="+", metavar="NAME=SPEC")
+    parser.add_argument("--time-variant", metavar="NAME=SPEC", help=argparse.SUPPRESS)  # one of --sweep's runs
     parser.add_argument("--contexts", nargs="+", metavar="TOKENS:BOUND", type=context_pair,
                         default=[(64, 1024), (1024, 1024), (1024, 2048), (1500, 2048), (2100, 4096), (4000, 4096),
                                  (8000, 8192)])
     args = parser.parse_args()
-    model, _, _ = load_model(model_dir_for("qwen3-0.6b"), torch.bfloat16, "cuda", load_format="dummy")
-    print(f"{torch.cuda.get_device_name()}, Qwen3-0.6B shape, bf16")
     if args.sweep:
-        print("model forward (us), CUDA-graph replays, variants taking turns:")
-        sweep(model, args.sweep, args.contexts)
+        print(f"{torch.cuda.get_device_name()}, Qwen3-0.6B shape, bf16")
+        print("model forward (us), CUDA-graph replays, variants taking turns, a process each:")
+        sweep(args.sweep, args.contexts)
         return
+    model, _, _ = load_model(model_dir_for("qwen3-0.6b"), torch.bfloat16, "cuda", load_format="dummy")
+    if args.time_variant:
+        print(json.dumps(time_variant(model, parse_variant(args.time_variant)[1], args.contexts)))
+        return
+    print(f"{torch.cuda.get_device_name()}, Qwen3-0.6B shape, bf16")
     ctx = args.context
     table = bind_caches(model, ctx, torch.Generator(device="cuda").manual_seed(0))
     pos, meta = step_metadata(table, ctx, ctx)
