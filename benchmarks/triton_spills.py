@@ -97,14 +97,14 @@ def _decoder_layer(phase=-1, long=True, many_keys=False):
     types = {p: "*bf16" for p in ("x_in", "residual", "res_mid", "qkv", "act", "w_ln", "w_qkv",
                                   "b_qkv", "q_norm_w", "k_norm_w", "w_o", "w_post", "w_gate_up", "w_down",
                                   "k_cache", "v_cache")}
-    types.update({p: "*fp32" for p in ("x_out", "attn_max", "attn_sum", "attn_acc", "attn_new", "o_out",
+    types.update({p: "*fp32" for p in ("x_out", "attn_max", "attn_sum", "attn_acc", "attn_new",
                                        "cos_sin_cache")})
-    types.update(barrier="*i32", trace="*i64", positions="*i64", slot_mapping="*i64", seq_lens="*i32",
+    types.update(o_sum="*i64", barrier="*i32", trace="*i64", positions="*i64", slot_mapping="*i64", seq_lens="*i32",
                  block_table="*i32", eps="fp32", qk_eps="fp32", scale="fp32")
     kernel = decode_layer.DecoderLayerKernel(1024, 3072, 16, 8, HEAD, torch.bfloat16, torch.device("cpu"),
                                              num_programs=128)
     names = [f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")]
-    consts = dict(D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8, KV_PAD=8,
+    consts = dict(D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8,
                   HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, **dict(zip(names, kernel.plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
                   NPROG=128, PHASE=phase, DOT_PREC="tf32", PDL=phase >= 0, TRACE=False,

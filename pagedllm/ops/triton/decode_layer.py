@@ -11,7 +11,8 @@ README.md, decode step latency). Here num_programs programs (at most one per SM)
      requested before the wait for A); the newest token's K/V into the cache and its scores, on their own
   C  the partitions and the newest token merged, o_proj split over the kv heads (each program merges its kv
      head's query heads)
-  D  residual add (of o_proj's per-kv-head partial sums) + RMSNorm, gate_up projection, SiLU-and-mul
+  D  residual add (of o_proj's output, its per-kv-head partial sums added up by phase C) + RMSNorm, gate_up
+     projection, SiLU-and-mul
   E  down_proj, whose output and the residual are the next layer's input
 
 Each projection is a GEMV whose rows are dealt out to the programs in equal contiguous shares; a program
@@ -95,6 +96,10 @@ PROJECTION_REGISTERS = 64
 STEP_BYTES = 32768
 MAX_PROGRAMS = 128
 BLOCK_N = 64  # keys per attention tile (twice that for partitions longer than one)
+# o_proj's per-kv-head partial sums are added into one int64 vector in fixed point (2^-32 steps, |x| < 2^31), so
+# the sum is the same whatever order the programs' atomics land in; phase D's programs then each read 8 KB where
+# they read and summed the partials' 32 KB.
+_FIXED_ONE = tl.constexpr(2.0 ** 32)
 
 
 @triton.jit
@@ -193,7 +198,10 @@ def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.cons
         val = tl.sum(acc, axis=0)
         if HAS_BIAS:
             val += tl.load(bias + rows, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + rows * OUT_STRIDE, val, mask=ok)
+    if out.dtype.element_ty == tl.int64:  # a split-K partial, added in fixed point (_FIXED_ONE)
+        tl.atomic_add(out + rows * OUT_STRIDE, (val * _FIXED_ONE).to(tl.int64), mask=ok, sem="relaxed")
+    else:
+        tl.store(out + rows * OUT_STRIDE, val, mask=ok)
 
 
 @triton.jit
@@ -227,17 +235,14 @@ def _gemv_of(w, share, pid, n_rows, src, out, K: tl.constexpr, K_PAD: tl.constex
 
 
 @triton.jit
-def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr, PARTS: tl.constexpr,
-              PARTS_PAD: tl.constexpr):
-    """(h = x + res, RMSNorm(h)) of the hidden row, x [D, PARTS] being summed over its PARTS (o_proj's per-kv-head
-    partial sums, each thread summing its own), rounded as fused.rms_norm rounds (x first to res's dtype)."""
+def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr):
+    """(h = x + res, RMSNorm(h)) of the hidden row, x being float or (o_proj's sum) int64 fixed point, rounded as
+    fused.rms_norm rounds (x first to res's dtype)."""
     cols = tl.arange(0, D_PAD)
     ok = cols < D
-    if PARTS == 1:
-        xs = tl.load(x + cols, mask=ok, other=0.0)
-    else:
-        part = tl.arange(0, PARTS_PAD)[None, :]
-        xs = tl.sum(tl.load(x + cols[:, None] * PARTS + part, mask=(part < PARTS) & ok[:, None], other=0.0), axis=1)
+    xs = tl.load(x + cols, mask=ok, other=0)
+    if x.dtype.element_ty == tl.int64:
+        xs = xs.to(tl.float32) * (1.0 / _FIXED_ONE)
     h = xs.to(res.dtype.element_ty) + tl.load(res + cols, mask=ok, other=0.0)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
@@ -408,12 +413,12 @@ def _merged_heads(kv_head, attn_max, attn_sum, attn_acc, attn_new, v_new, GROUP:
 
 @triton.jit
 def _decoder_layer_kernel(
-    x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_new, o_out, act, barrier, barrier_base,
+    x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_new, o_sum, act, barrier, barrier_base,
     w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, post_eps, qk_eps, scale,
     cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, trace,
     D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr, HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr,
     A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr, U_RPP: tl.constexpr,
     U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr,
@@ -438,15 +443,17 @@ def _decoder_layer_kernel(
         share = _weight_share(w_qkv, pid, N_QKV, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, D)
         if PDL:
             pdl.gdc_wait()
-        h, x = _norm_row(x_in, residual, w_ln, eps, D, D_PAD, 1, 1)
+        h, x = _norm_row(x_in, residual, w_ln, eps, D, D_PAD)
         if pid == 0:
             tl.store(res_mid + cols, h, mask=cols < D)
+            # read by the previous layer's phase D, which has ended: this layer's phase C adds into it
+            tl.store(o_sum + cols, tl.zeros([D_PAD], tl.int64), mask=cols < D)
         _gemv(w_qkv, share, pid, N_QKV, x, qkv, b_qkv, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, QKV_BIAS, D, 1)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + NPROG)
     # o_proj is split over the kv heads, as attention is (NP programs a kv head): each program merges the kv head's
     # query heads from their partitions itself and sums its rows over their columns of W_o, a split-K partial per
-    # kv head that phase D adds up. Attention then ends with its partitions' stores, where the last partition of
+    # kv head that it adds into o_sum (_FIXED_ONE). Attention then ends with its partitions' stores, where the last partition of
     # each kv head used to merge after an arrival counter. On the H100 (benchmarks/results/README.md, fifteenth
     # session) phase B alone 8.4 -> 6.7 us, C 4.2 -> 4.6, D 7.8 -> 8.2; the forward at 1024 / 2100 / 3500 tokens
     # 632 / 800 / 857 -> 621 / 740 / 834 us.
@@ -471,8 +478,8 @@ def _decoder_layer_kernel(
                           qkv + (HEADS + KV_HEADS + o_head) * HEAD_SIZE, GROUP, GROUP_P2, NP, NP_PAD, HEAD_SIZE)
         # rounded as the attention output the layers' o_proj reads
         o = o.to(qkv.dtype.element_ty)
-        _gemv(w_o + o_head * O_K, share, pid % NP, o_rows, o, o_out + o_head, o_out, O_K,
-              GROUP_P2 * HEAD_SIZE, O_RPP, O_STEPS, O_RPP2, 1, False, HEADS * HEAD_SIZE, KV_HEADS)
+        _gemv(w_o + o_head * O_K, share, pid % NP, o_rows, o, o_sum, o_sum, O_K, GROUP_P2 * HEAD_SIZE, O_RPP,
+              O_STEPS, O_RPP2, 1, False, HEADS * HEAD_SIZE, 1)
     if PHASE < 0 or PHASE == 3:
         share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, D)
     if PHASE < 0:
@@ -480,7 +487,7 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 3:
         if PDL:
             pdl.gdc_wait()
-        h, x = _norm_row(o_out, res_mid, w_post, post_eps, D, D_PAD, KV_HEADS, KV_PAD)
+        h, x = _norm_row(o_sum, res_mid, w_post, post_eps, D, D_PAD)
         if PDL:
             # down_proj's programs start only now: launched with this phase's, their 6 MB of weights streamed
             # beside gate_up's 13 MB, which its programs request only as o_proj's leave the SMs. On the H100
@@ -603,7 +610,7 @@ class DecoderLayerKernel:
         self.attn_stats = buf(2, num_heads, self.partitions)
         self.attn_acc = buf(num_heads, head_size, self.partitions)
         self.attn_new = buf(num_heads)  # the newest token's scores
-        self.o_out = buf(hidden_size, num_kv_heads)  # o_proj's partial sums, one per kv head
+        self.o_sum = buf(hidden_size, dtype=torch.int64)  # o_proj's output, fixed point (_FIXED_ONE)
         self.act = buf(intermediate_size, dtype=dtype)
         self.barrier = buf(1, dtype=torch.int32)  # the persistent mode's
         # int64 [layers, PHASES, max(launch_programs), 2] to receive each program's start and end (GPU nanoseconds)
@@ -674,7 +681,7 @@ class DecoderLayerKernel:
         consts = dict(
             D=self.hidden_size, D_PAD=triton.next_power_of_2(self.hidden_size),
             INTER=self.intermediate_size, INTER_PAD=triton.next_power_of_2(self.intermediate_size),
-            HEADS=self.num_heads, KV_HEADS=self.num_kv_heads, KV_PAD=triton.next_power_of_2(self.num_kv_heads),
+            HEADS=self.num_heads, KV_HEADS=self.num_kv_heads,
             HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
             GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
             **dict(zip((f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")), self.plans)),
@@ -683,7 +690,7 @@ class DecoderLayerKernel:
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
             DOT_PREC=_host.dot_precision(self.dtype), num_stages=1)
         args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
-                self.attn_acc, self.attn_new, self.o_out, self.act, self.barrier,
+                self.attn_acc, self.attn_new, self.o_sum, self.act, self.barrier,
                 layer * (PHASES - 1) * self.num_programs,
                 w.input_norm, w.qkv, w.qkv if w.qkv_bias is None else w.qkv_bias,
                 w.q_norm if qk_norm else w.input_norm, w.k_norm if qk_norm else w.input_norm, w.o, w.post_norm,
