@@ -32,7 +32,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.shapes import model_dir_for
-from pagedllm.worker.cuda_graph import DecodeGraphs
+from pagedllm.worker.cuda_graph import HEAD_MAX_BATCH, DecodeGraphs
 
 COMPONENTS = ("schedule", "prepare", "forward", "logits", "sampler", "execute_other", "postprocess")
 
@@ -47,15 +47,20 @@ def sampling_params(kind: str, output_len: int, index: int) -> SamplingParams:
 
 
 def install_cpu_decode_graphs(runner) -> None:
-    """Stand-ins for the decode CUDA graphs on the CPU whose replays do nothing and leave zero hidden states, so
-    a decode step times the graph path's host code alone: a GPU's replay costs the host little, while a CPU
-    forward pass would also evict the host code's data from the caches."""
+    """Stand-ins for the decode CUDA graphs on the CPU whose replays do nothing and leave zero hidden states (and,
+    for the sizes whose graphs hold the LM head, zero logits and greedy ids), so a decode step times the graph
+    path's host code alone: a GPU's replay costs the host little, while a CPU forward pass would also evict the
+    host code's data from the caches."""
     cfg = runner.config
     graphs = DecodeGraphs(runner.model, runner.device, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
     for bs in graphs.sizes:
         for bound in graphs.bounds_of(bs):
             graphs.graphs[bs, bound] = types.SimpleNamespace(replay=lambda: None)
             graphs.outputs[bs, bound] = torch.zeros(bs, runner.hf_config.hidden_size, dtype=runner.dtype)
+    head_rows = max((bs for bs in graphs.sizes if bs <= HEAD_MAX_BATCH), default=0)
+    if head_rows:
+        graphs.logits = torch.zeros(head_rows, runner.hf_config.vocab_size, dtype=runner.dtype)
+        graphs.greedy = torch.zeros(head_rows, dtype=torch.int64)
     runner.decode_graphs = graphs
 
 

@@ -238,7 +238,8 @@ def test_split_k_supported_shapes():
 
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_head_linear_is_the_product_in_the_model_dtype(rows):
-    """The LM head of few rows: x W^T written as logits of x's dtype, the float32 sums rounded once."""
+    """The LM head of few rows: x W^T written as logits of x's dtype, the float32 sums rounded once; into a given
+    tensor as well (a decode graph's buffer)."""
     from pagedllm.ops.triton import linear as ops
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 256 + 8, generator=gen).half()[:, 8:]  # strided rows
@@ -247,6 +248,9 @@ def test_head_linear_is_the_product_in_the_model_dtype(rows):
     logits = ops.head_linear(x, w)
     assert logits.shape == (rows, 192) and logits.dtype == torch.float16
     torch.testing.assert_close(logits, (x.float() @ w.float().T).half(), rtol=1e-3, atol=1e-3)
+    buffer = torch.zeros(rows + 1, 192, dtype=torch.float16)
+    assert ops.head_linear(x, w, buffer[:rows]).data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:rows], logits) and not buffer[rows].any()
 
 
 def test_head_supported_shapes():
@@ -314,6 +318,9 @@ def test_argmax_takes_the_first_of_equal_maxima(dtype, rows, vocab):
     x[0, vocab // 3] = x[0, vocab - 1] = 100.0  # a tie (across the two chunks at 9000): the first one wins
     x[-1, -2:] = 200.0  # a tie inside the last chunk
     assert torch.equal(_fused().argmax(x), x.argmax(dim=-1))
+    out = torch.full((rows + 1,), -1)
+    _fused().argmax(x, out[:rows])
+    assert torch.equal(out[:rows], x.argmax(dim=-1)) and out[rows] == -1
 
 
 def test_cpu_tensors_never_import_triton():

@@ -104,7 +104,7 @@ class EagerGraph:
     def replay(self) -> None:
         graphs, inputs = self.graphs, self.graphs.inputs[self.bs]
         with set_forward_context(graphs._metadata(self.bs, self.bound)):
-            graphs.outputs[self.bs, self.bound] = graphs.model(inputs["input_ids"], inputs["positions"])
+            graphs.outputs[self.bs, self.bound] = graphs._forward(self.bs, inputs)
         self.replays.append((self.bs, self.bound))
 
 
@@ -177,4 +177,5 @@ def test_graph_steps_sample_what_eager_steps_do():
                for llm in (graph_llm, eager_llm)]
     assert outputs[0] == outputs[1]
     assert {bs for bs, _ in replays} == {1, 2, 4, 6} and len({bound for _, bound in replays}) > 1
+    assert graph_llm.engine.runner.decode_graphs.has_head(6)  # the graphs' logits and greedy ids were sampled
     assert graph_llm.engine.stats()["num_preemptions"] > 0

@@ -139,8 +139,10 @@ class Sampler:
         return list(self._to_device(torch.from_numpy(flat)).split([len(x) for x in parts]))
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """Samples one token per row of logits [len(requests), vocab]; may modify logits in place."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 greedy: torch.Tensor | None = None) -> SamplerOutput:
+        """Samples one token per row of logits [len(requests), vocab]; may modify logits in place. greedy: the
+        rows' argmax where a decode graph has computed it (DecodeGraphs.run), taken for a plain greedy step."""
         params = [r.sampling_params for r in requests]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
@@ -152,7 +154,7 @@ class Sampler:
                            if r.num_output_tokens + r.num_placeholders <= r.sampling_params.min_tokens]
         if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows or biased):
             # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
-            return SamplerOutput(self.host_buffers, greedy_tokens(logits))
+            return SamplerOutput(self.host_buffers, greedy_tokens(logits) if greedy is None else greedy)
 
         logits = logits.float()
         batch, vocab = logits.shape
@@ -213,10 +215,12 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The first index of each row's largest logit, with the Triton kernel on CUDA."""
+def greedy_tokens(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The first index of each row's largest logit (into out where given), with the Triton kernel on CUDA."""
     kernels = fused_kernels(logits)
-    return logits.argmax(dim=-1) if kernels is None else kernels.argmax(logits)
+    if kernels is not None:
+        return kernels.argmax(logits, out)
+    return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
 
 
 def _param_table(params: list[SamplingParams]) -> torch.Tensor:

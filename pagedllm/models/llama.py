@@ -142,14 +142,15 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (only the positions to sample) -> logits [N, vocab] in the model's dtype: a
-        greedy step takes the argmax as it is, and the sampler upcasts only when it has more to do."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, hidden] (only the positions to sample) -> logits [N, vocab] in the model's dtype (into out
+        where given): a greedy step takes the argmax as it is, and the sampler upcasts only when it has more to
+        do."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         kernels = fused_kernels(hidden)
         if kernels is not None and kernels.head_supported(hidden, weight):  # decode steps of few sequences
-            return kernels.head_linear(hidden, weight)
-        return nn.functional.linear(hidden, weight)
+            return kernels.head_linear(hidden, weight, out)
+        return nn.functional.linear(hidden, weight) if out is None else torch.matmul(hidden, weight.t(), out=out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters (cast and moved by copy_, one tensor at a time).

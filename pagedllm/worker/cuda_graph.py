@@ -22,6 +22,7 @@ import math
 import torch
 
 from pagedllm.layers.attention import Attention, AttentionMetadata, set_forward_context
+from pagedllm.layers.sampler import greedy_tokens
 from pagedllm.worker.buffers import packed_size, packed_views
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -38,6 +39,11 @@ PIECEWISE_MAX_TOKENS = PIECEWISE_SIZES[-1]
 # model's short steps planned for 5120, where the batch-1 decoder-layer kernel also takes its slower wide tiles.
 SPLIT_MAX_BATCH = 32
 MIN_CONTEXT_BOUND = 512
+# Decode graphs of up to this many rows also run the LM head and the greedy argmax, into buffers all of them
+# share. Launched eagerly, those three Triton kernels cost the host 0.12-0.19 ms a step on the H100's machine,
+# which made the batch-1 step host-bound: 0.76-0.84 ms a step against 0.71-0.72 ms of GPU work (benchmarks/
+# results/README.md, twenty-seventh session). Larger batches' steps take milliseconds of GPU work.
+HEAD_MAX_BATCH = 32
 
 
 class _Ladder:
@@ -70,6 +76,9 @@ class DecodeGraphs(_Ladder):
         # (batch size, context bound) -> graph and its output
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # the head's logits and greedy ids of the graphs of up to HEAD_MAX_BATCH rows (allocated at capture)
+        self.logits: torch.Tensor | None = None
+        self.greedy: torch.Tensor | None = None
 
     def bounds_of(self, bs: int) -> list[int]:
         return self.context_bounds if bs <= SPLIT_MAX_BATCH else [self.max_model_len]
@@ -97,11 +106,11 @@ class DecodeGraphs(_Ladder):
                 self._pad(bs)
                 with set_forward_context(self._metadata(bs, bound)):
                     # A run outside the graph compiles every kernel for this shape before capture.
-                    self.model(inputs["input_ids"], inputs["positions"])
+                    self._forward(bs, inputs)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[bs, bound] = self.model(inputs["input_ids"], inputs["positions"])
+                        self.outputs[bs, bound] = self._forward(bs, inputs)
                 pool = graph.pool()
                 self.graphs[bs, bound] = graph
         # A graph's first launch uploads it to the device (0.3 ms of host time on the H100, benchmarks/
@@ -112,9 +121,25 @@ class DecodeGraphs(_Ladder):
             graph.replay()
         torch.cuda.synchronize()
 
+    def _forward(self, bs: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = self.model(inputs["input_ids"], inputs["positions"])
+        if bs <= HEAD_MAX_BATCH:
+            if self.logits is None:  # at the first capture's warm-up run
+                logits = self.model.compute_logits(hidden)
+                rows = max(s for s in self.sizes if s <= HEAD_MAX_BATCH)
+                self.logits = torch.empty(rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
+                self.greedy = torch.empty(rows, dtype=torch.int64, device=logits.device)
+            greedy_tokens(self.model.compute_logits(hidden, self.logits[:bs]), self.greedy[:bs])
+        return hidden
+
+    def has_head(self, bs: int) -> bool:
+        """Whether the graphs of bs rows compute the logits and greedy ids (HEAD_MAX_BATCH)."""
+        return self.logits is not None and bs <= HEAD_MAX_BATCH
+
     def run(self, bs: int, max_seq_len: int) -> torch.Tensor:
         """Hidden states [bs, hidden] of a decode-only step padded to the captured size bs, whose arrays are in
-        self.inputs[bs]; max_seq_len: its longest sequence. Valid until the next run()."""
+        self.inputs[bs]; max_seq_len: its longest sequence. Valid until the next run(), as are, where has_head(bs),
+        the first bs rows of self.logits and self.greedy."""
         key = bs, next(b for b in self.bounds_of(bs) if b >= max_seq_len)
         self.graphs[key].replay()
         return self.outputs[key]

@@ -240,11 +240,14 @@ class ModelRunner:
             return [], None
         decode_only = items[-1].num_new_tokens == 1
         graphs = self.decode_graphs
+        head = None  # (logits, greedy ids) of every row, where the step's graph computed them
         if graphs is not None and decode_only and graphs.fits(len(items)):
             size = graphs.padded_size(len(items))
             step = self.prepare(items, blocks_of, size)
             dev = self._upload(step, graphs.inputs[size])
             hidden = graphs.run(size, max_seq_len=int(step.decode_seq_lens.max()))
+            if graphs.has_head(size):
+                head = graphs.logits, graphs.greedy
         else:
             step = self.prepare(items, blocks_of)
             dev = self._upload(step)
@@ -259,9 +262,12 @@ class ModelRunner:
             return [], None
         # When rows 0..n-1 sample (every row of a decode-only step, as a rule), a slice replaces the gather.
         n = len(sampling)
-        hidden = hidden[:n] if step.logits_indices[-1] == n - 1 else hidden[dev["logits_indices"][:n]]
-        logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, sampling)
+        rows = slice(0, n) if step.logits_indices[-1] == n - 1 else dev["logits_indices"][:n]
+        if head is None:
+            out = self.sampler(self.model.compute_logits(hidden[rows]), sampling)
+        else:
+            logits, greedy = head
+            out = self.sampler(logits[rows], sampling, greedy[rows])
         self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
         self._sampled_ids = out.device_token_ids
         return sampling, out

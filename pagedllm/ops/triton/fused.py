@@ -269,9 +269,9 @@ def _argmax_rows_kernel(values, indices, out, num_chunks, BLOCK: tl.constexpr, P
 ARGMAX_CHUNK = 8192  # fastest from 64 rows up; within 0.2 us of 4096 below (H100)
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, N] -> int64 [rows]: the first index of each row's maximum, as torch.argmax(x, -1) (rows
-    holding NaN excepted). Every row is cut into chunks reduced in parallel and then combined: torch's
+def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, N] -> int64 [rows] (into out where given): the first index of each row's maximum, as
+    torch.argmax(x, -1) (rows holding NaN excepted). Every row is cut into chunks reduced in parallel and then combined: torch's
     kernel reduces a row in few blocks, slow for one row of a 150K vocabulary and half the copy bandwidth
     for a few hundred."""
     rows, n = x.shape
@@ -280,7 +280,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     num_chunks = triton.cdiv(n, ARGMAX_CHUNK)
     values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
     dependent = pdl.options(x)
     _argmax_chunk_kernel[(rows, num_chunks)](x, values, indices, n, x.stride(0), CHUNK=ARGMAX_CHUNK,
                                             num_warps=8, **dependent)

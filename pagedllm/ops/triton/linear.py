@@ -104,12 +104,13 @@ def head_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _tileable(x, weight, weight.shape[1], MAX_HEAD_ROWS)
 
 
-def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] @ weight [N, K]^T as [rows, N] in x's dtype: the kernel unsplit, its float32 sums rounded as
-    they are stored."""
+def head_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] @ weight [N, K]^T as [rows, N] in x's dtype (into out where given, contiguous): the kernel
+    unsplit, its float32 sums rounded as they are stored."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    out = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(rows, weight, out, (max(16, triton.next_power_of_2(m)), 64, 128, 1, 4, 4), False)  # one row tile
     return out
 
