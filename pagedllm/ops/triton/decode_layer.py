@@ -94,6 +94,13 @@ GATE_UP_REGISTERS = 72
 PROJECTION_REGISTERS = 64
 # Larger shares stream in slices of this size, the next one in flight while the current one is used.
 STEP_BYTES = 32768
+# o_proj's programs of a kv head split its columns into this many groups, each program merging only its group's
+# attention channels (so it reads that share of the partitions' outputs) and adding twice the rows into o_sum, where
+# the query group is a power of two and the partitions divide evenly; else each takes all of them. On the H100
+# (benchmarks/results/README.md, twenty-seventh session), forward at 64 / 1024 / 1500 / 4000 tokens (graphs bounded
+# at 1024 / 2048 / 2048 / 4096): 1 group 611 / 598 / 627 / 748 us, 2 groups 582 / 591 / 616 / 732, 4 583 / 595 /
+# 619 / 735, 8 593 / 591 / 614 / 757.
+O_COLUMN_GROUPS = 2
 MAX_PROGRAMS = 128
 BLOCK_N = 64  # keys per attention tile (twice that for partitions longer than one)
 # o_proj's per-kv-head partial sums are added into one int64 vector in fixed point (2^-32 steps, |x| < 2^31), so
@@ -385,15 +392,15 @@ def _attention(item, qkv, q_norm_w, k_norm_w, eps, scale, cos_sin_cache, stride_
 
 
 @triton.jit
-def _merged_heads(kv_head, attn_max, attn_sum, attn_acc, attn_new, v_new, GROUP: tl.constexpr,
-                  GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr):
-    """The kv head's query heads' attention outputs, [GROUP_P2 * HEAD_SIZE] (padding heads 0), merged from the
+def _merged_heads(kv_head, c0, attn_max, attn_sum, attn_acc, attn_new, v_new, GROUP: tl.constexpr,
+                  NP: tl.constexpr, NP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, CH: tl.constexpr):
+    """Channels c0 ... c0 + CH - 1 of the kv head's query heads' attention outputs (padding heads 0), merged from the
     partitions' max, sum and unnormalised output (m in log2 units, as attend_tile keeps it) and the newest token's
     score and value (v_new: its HEAD_SIZE channels). The partitions are the fastest axis in memory and in the tile,
     so each thread sums its channels' partitions itself: summed across the warps of a 16-warp program (partitions
     leading), the merge took phase C from 4 to 9 us on the H100 (benchmarks/results/README.md, fifteenth
     session)."""
-    c = tl.arange(0, GROUP_P2 * HEAD_SIZE)[:, None]
+    c = c0 + tl.arange(0, CH)[:, None]
     p = tl.arange(0, NP_PAD)[None, :]
     real = c < GROUP * HEAD_SIZE
     ok = (p < NP) & real
@@ -420,11 +427,11 @@ def _decoder_layer_kernel(
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, trace,
     D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr, HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, A_RPP: tl.constexpr, A_STEPS: tl.constexpr,
-    A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr, U_RPP: tl.constexpr,
-    U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr, E_RPP2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr, NEWEST_APART: tl.constexpr,
-    X: tl.constexpr, LAYOUT: tl.constexpr,
+    GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, O_GROUPS: tl.constexpr, A_RPP: tl.constexpr,
+    A_STEPS: tl.constexpr, A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr,
+    U_RPP: tl.constexpr, U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr,
+    E_RPP2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr,
+    NEWEST_APART: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
     QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr, TRACE: tl.constexpr,
 ):
@@ -452,17 +459,21 @@ def _decoder_layer_kernel(
         _gemv(w_qkv, share, pid, N_QKV, x, qkv, b_qkv, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, QKV_BIAS, D, 1)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + NPROG)
-    # o_proj is split over the kv heads, as attention is (NP programs a kv head): each program merges the kv head's
-    # query heads from their partitions itself and sums its rows over their columns of W_o, a split-K partial per
-    # kv head that it adds into o_sum (_FIXED_ONE). Attention then ends with its partitions' stores, where the last partition of
-    # each kv head used to merge after an arrival counter. On the H100 (benchmarks/results/README.md, fifteenth
-    # session) phase B alone 8.4 -> 6.7 us, C 4.2 -> 4.6, D 7.8 -> 8.2; the forward at 1024 / 2100 / 3500 tokens
-    # 632 / 800 / 857 -> 621 / 740 / 834 us.
+    # o_proj is split over the kv heads, as attention is (NP programs a kv head): each program merges some of the
+    # kv head's query-head channels from their partitions itself and sums a block of W_o's rows over those columns, a
+    # split-K partial that it adds into o_sum (_FIXED_ONE). Attention then ends with its partitions' stores, where
+    # the last partition of each kv head used to merge after an arrival counter. On the H100 (benchmarks/results/
+    # README.md, fifteenth session) phase B alone 8.4 -> 6.7 us, C 4.2 -> 4.6, D 7.8 -> 8.2; the forward at 1024 /
+    # 2100 / 3500 tokens 632 / 800 / 857 -> 621 / 740 / 834 us.
     o_head = tl.minimum(pid // NP, KV_HEADS - 1)
     o_rows = tl.where(pid < KV_HEADS * NP, D, 0)  # programs past the last kv head's load and store nothing
+    OKC: tl.constexpr = O_K // O_GROUPS  # a program's columns (O_COLUMN_GROUPS)
+    OKC_PAD: tl.constexpr = GROUP_P2 * HEAD_SIZE // O_GROUPS
+    o_cols = pid % NP % O_GROUPS * OKC
+    o_block = pid % NP // O_GROUPS
     if PHASE < 0 or PHASE == 2:  # o_proj's weights stream in while attention runs
-        share = _weight_share(w_o + o_head * O_K, pid % NP, o_rows, O_K, GROUP_P2 * HEAD_SIZE, O_RPP, O_STEPS,
-                              O_RPP2, 1, HEADS * HEAD_SIZE)
+        share = _weight_share(w_o + o_head * O_K + o_cols, o_block, o_rows, OKC, OKC_PAD, O_RPP, O_STEPS, O_RPP2, 1,
+                              HEADS * HEAD_SIZE)
     if PHASE < 0 or PHASE == 1:
         if pid < KV_HEADS * (NP + NEWEST_APART):  # in five launches, every program of phase B's
             _attention(pid, qkv, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache, stride_cs, positions,
@@ -475,12 +486,12 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 2:
         if PDL:
             pdl.gdc_wait()
-        o = _merged_heads(o_head, attn_max, attn_sum, attn_acc, attn_new,
-                          qkv + (HEADS + KV_HEADS + o_head) * HEAD_SIZE, GROUP, GROUP_P2, NP, NP_PAD, HEAD_SIZE)
+        o = _merged_heads(o_head, o_cols, attn_max, attn_sum, attn_acc, attn_new,
+                          qkv + (HEADS + KV_HEADS + o_head) * HEAD_SIZE, GROUP, NP, NP_PAD, HEAD_SIZE, OKC_PAD)
         # rounded as the attention output the layers' o_proj reads
         o = o.to(qkv.dtype.element_ty)
-        _gemv(w_o + o_head * O_K, share, pid % NP, o_rows, o, o_sum, o_sum, O_K, GROUP_P2 * HEAD_SIZE, O_RPP,
-              O_STEPS, O_RPP2, 1, False, HEADS * HEAD_SIZE, 1)
+        _gemv(w_o + o_head * O_K + o_cols, share, o_block, o_rows, o, o_sum, o_sum, OKC, OKC_PAD, O_RPP, O_STEPS,
+              O_RPP2, 1, False, HEADS * HEAD_SIZE, 1)
     if PHASE < 0 or PHASE == 3:
         share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, D)
     if PHASE < 0:
@@ -549,13 +560,21 @@ def _gemv_plan(n_rows: int, k: int, pairs: int, num_programs: int, itemsize: int
     return rpp, share // rpp, 0
 
 
+def _o_groups(num_heads: int, num_kv_heads: int, num_programs: int) -> int:
+    """How many column groups o_proj's programs split a kv head's columns into (O_COLUMN_GROUPS)."""
+    group, partitions = num_heads // num_kv_heads, max(1, num_programs // num_kv_heads)
+    return O_COLUMN_GROUPS if group & (group - 1) == 0 and partitions % O_COLUMN_GROUPS == 0 else 1
+
+
 def _plans(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_size: int,
            itemsize: int, num_programs: int) -> tuple[int, ...]:
-    """The _gemv_plan of qkv, o_proj (per kv head, over its partitions' programs), gate_up and down, flattened."""
+    """The _gemv_plan of qkv, o_proj (per kv head and column group, over its partitions' programs), gate_up and
+    down, flattened."""
     q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
     partitions = max(1, num_programs // num_kv_heads)
+    groups = _o_groups(num_heads, num_kv_heads, num_programs)
     return (*_gemv_plan(q_width + 2 * kv_width, hidden_size, 1, num_programs, itemsize),
-            *_gemv_plan(hidden_size, q_width // num_kv_heads, 1, partitions, itemsize),
+            *_gemv_plan(hidden_size, q_width // num_kv_heads // groups, 1, partitions // groups, itemsize),
             *_gemv_plan(intermediate_size, hidden_size, 2, num_programs, itemsize),
             *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
 
@@ -591,12 +610,13 @@ class DecoderLayerKernel:
         itemsize = dtype.itemsize
         self.plans = plans = _plans(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, itemsize,
                                     num_programs)
+        self.o_groups = _o_groups(num_heads, num_kv_heads, num_programs)
         # Which of qkv, o_proj and gate_up may take the register caps above: whole shares that fit them, o_proj's
-        # beside the three [GROUP_P2 * HEAD_SIZE, NP_PAD] float tiles of its merge (_merged_heads), which grow with
-        # the query group and the partitions (at Qwen3-0.6B's shape 48 KB of the 80 KB its cap leaves).
-        merge = 3 * triton.next_power_of_2(num_heads // num_kv_heads) * head_size * (
-            triton.next_power_of_2(self.partitions)) * 4
-        k_pads = [triton.next_power_of_2(k) for k in (hidden_size, q_width // num_kv_heads, hidden_size)]
+        # beside the three [channels, NP_PAD] float tiles of its merge (_merged_heads), which grow with the query
+        # group and the partitions (at Qwen3-0.6B's shape 24 KB of the 80 KB its cap leaves).
+        o_pad = triton.next_power_of_2(num_heads // num_kv_heads) * head_size // self.o_groups
+        merge = 3 * o_pad * triton.next_power_of_2(self.partitions) * 4
+        k_pads = [triton.next_power_of_2(hidden_size), o_pad, triton.next_power_of_2(hidden_size)]
         self.capped = [steps == 1 and (rpp + rpp2) * pairs * k_pad * itemsize + held <= (cap - 24) * 4 * NUM_WARPS * 32
                        for (rpp, steps, rpp2), k_pad, pairs, held, cap in
                        zip((plans[0:3], plans[3:6], plans[6:9]), k_pads, (1, 1, 2), (0, merge, 0),
@@ -685,6 +705,7 @@ class DecoderLayerKernel:
             HEADS=self.num_heads, KV_HEADS=self.num_kv_heads,
             HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
             GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
+            O_GROUPS=self.o_groups,
             **dict(zip((f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")), self.plans)),
             BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
             BLOCK_N=block_n,
