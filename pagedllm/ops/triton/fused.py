@@ -271,9 +271,9 @@ ARGMAX_CHUNK = 8192  # fastest from 64 rows up; within 0.2 us of 4096 below (H10
 
 def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, N] -> int64 [rows] (into out where given): the first index of each row's maximum, as
-    torch.argmax(x, -1) (rows holding NaN excepted). Every row is cut into chunks reduced in parallel and then combined: torch's
-    kernel reduces a row in few blocks, slow for one row of a 150K vocabulary and half the copy bandwidth
-    for a few hundred."""
+    torch.argmax(x, -1) (rows holding NaN excepted). Every row is cut into chunks reduced in parallel and then
+    combined: torch's kernel reduces a row in few blocks, slow for one row of a 150K vocabulary and half the copy
+    bandwidth for a few hundred."""
     rows, n = x.shape
     if x.stride(1) != 1:
         raise ValueError("argmax needs rows with unit stride")
