@@ -78,7 +78,7 @@ def triton_phases(model, ids, pos):
     PDL gives them, their weights requested meanwhile). Medians over the middle layers."""
     kernel = model.model._fused_decode["triton"].kernel
     layers, phases = len(model.model.layers), decode_layer.PHASES
-    trace = torch.zeros(layers, phases, max(kernel.launch_programs), 2, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(layers, phases, max(kernel.launch_programs()), 2, dtype=torch.int64, device="cuda")
     kernel.trace = trace
     try:
         graph_time_us(lambda: model(ids, pos), 1)  # the trace keeps the last replay's times
@@ -159,8 +159,8 @@ def context_pair(arg: str) -> tuple[int, int]:
 def variant_configs(own, changes):
     """A DecoderLayerKernel._launch_configs that applies `changes` (parse_variant) over `own`'s choice."""
 
-    def configs(self, long, many_keys, nvidia):
-        out = own(self, long, many_keys, nvidia)
+    def configs(self, long, many_keys, nvidia, rows=1):
+        out = own(self, long, many_keys, nvidia, rows)
         kind = "many" if many_keys else "two" if long else "one"
         for phase, where, warps, regs in changes:
             if where in (None, kind):
@@ -255,7 +255,7 @@ def main():
 
         def layer(phased):
             k.begin_step()
-            k(0, k.x, w, attn.key_cache, attn.value_cache, attn.scale, decode.cos_sin_cache, pos,
+            k(0, k.x[:1], w, attn.key_cache, attn.value_cache, attn.scale, decode.cos_sin_cache, pos,
               meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, ctx, phased=phased)
         print(f"layer, one launch:    {graph_time_us(lambda: layer(False)):6.1f} us")
         print(f"layer, five launches: {graph_time_us(lambda: layer(True)):6.1f} us")

@@ -91,7 +91,7 @@ def _split_k(rows, gated):
     return linear._split_k_kernel, types, consts, dict(num_warps=warps, num_stages=3)  # 3: the launch default
 
 
-def _decoder_layer(phase=-1, long=True, many_keys=False):
+def _decoder_layer(phase=-1, long=True, many_keys=False, rows=1):
     """The batch-1 decoder-layer kernel at Qwen3-0.6B's shape on 128 programs: with its barriers (phase -1), or one
     phase's launch with the warps and register cap the engine gives it in launches of that kind."""
     types = {p: "*bf16" for p in ("x_in", "residual", "res_mid", "qkv", "act", "w_ln", "w_qkv",
@@ -104,7 +104,7 @@ def _decoder_layer(phase=-1, long=True, many_keys=False):
     kernel = decode_layer.DecoderLayerKernel(1024, 3072, 16, 8, HEAD, torch.bfloat16, torch.device("cpu"),
                                              num_programs=128)
     names = [f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")]
-    consts = dict(D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8,
+    consts = dict(ROWS=rows, D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8,
                   HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, O_GROUPS=kernel.o_groups,
                   **dict(zip(names, kernel.plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
@@ -114,7 +114,7 @@ def _decoder_layer(phase=-1, long=True, many_keys=False):
     options = dict(num_stages=1, enable_fp_fusion=phase not in (-1, 1))
     if phase < 0:  # persistent: every phase at NUM_WARPS, both attention tile sizes (the most registers)
         return decode_layer._decoder_layer_kernel, types, consts, dict(options, num_warps=decode_layer.NUM_WARPS)
-    warps, limits = kernel._launch_configs(long, many_keys, True)[phase]
+    warps, limits = kernel._launch_configs(long, many_keys, True, rows)[phase]
     return decode_layer._decoder_layer_kernel, types, consts, dict(options, num_warps=warps, **limits)
 
 

@@ -1,10 +1,10 @@
-"""The decoder-layer kernel (pagedllm.ops.triton.decode_layer) on CPU under the Triton interpreter, its five
-phases launched in turn: a decode step of one sequence through LlamaModel with the kernel gives the logits
-and writes the K/V of the layers' PyTorch path. Qwen3 (q/k norms, GQA 4), Qwen2 (q/k/v bias, GQA 2), Llama
-(MHA), groups of 3 with a hidden size of 192, 3 kv heads, 256-channel heads; both cache layouts; pages in random
-order; contexts of one token, of a few partitions and of more partitions than the kernel has (empty partitions); the
-newest token's slot holding NaN before the step.
-tests/gpu/test_decode_layer_gpu.py runs it with its grid barriers, at real sizes."""
+"""The decoder-layer kernel (pagedllm.ops.triton.decode_layer) on CPU under the Triton interpreter, its five phases
+launched in turn: a decode step of one sequence (or of several, a CUDA graph's padding row among them) through
+LlamaModel with the kernel gives the logits and writes the K/V of the layers' PyTorch path. Qwen3 (q/k norms, GQA 4),
+Qwen2 (q/k/v bias, GQA 2), Llama (MHA), groups of 3 with a hidden size of 192, 3 kv heads, 256-channel heads; both cache
+layouts; pages in random order; contexts of one token, of a few partitions and of more partitions than the kernel has
+(empty partitions); the newest token's slot holding NaN before the step. tests/gpu/test_decode_layer_gpu.py runs it with
+its grid barriers, at real sizes."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -88,19 +88,33 @@ def _poison_slot(model, pages, pos):
         reference.reshape_and_cache(nan, nan, attn.key_cache, attn.value_cache, slot, "auto", 1.0, 1.0)
 
 
-def _step(model, ids, pages, start, n, bound=None):
-    """Tokens start..start+n-1 of ids through the model, as one prefill (n > 1) or one decode (whose metadata
-    bounds the context by `bound`, as a CUDA graph's does, else by the context itself)."""
-    pos = torch.arange(start, start + n)
-    slots = pages[pos // BLOCK] * BLOCK + pos % BLOCK
+def _prefill(model, ids, pages, n):
+    """The first n tokens of ids through the model as one prefill."""
+    pos = torch.arange(n)
     i32 = dict(dtype=torch.int32)
-    table, seq_len = pages[None].to(torch.int32), torch.tensor([start + n], **i32)
-    if n == 1:
-        meta = AttentionMetadata(slots, 1, table, seq_len, bound or start + 1, None, None, None, 0, 0)
-    else:
-        meta = AttentionMetadata(slots, 0, None, None, 0, table, seq_len, torch.tensor([0, n], **i32), n, start + n)
+    meta = AttentionMetadata(pages[pos // BLOCK] * BLOCK + pos % BLOCK, 0, None, None, 0, pages[None].to(torch.int32),
+                             torch.tensor([n], **i32), torch.tensor([0, n], **i32), n, n)
     with set_forward_context(meta), torch.no_grad():
-        return model.compute_logits(model(ids[start:start + n], pos))
+        model(ids[:n], pos)
+
+
+def _decode(model, seqs, bound=None):
+    """Logits of one decode step of the sequences (ids, pages, context): each one's token context - 1, where a
+    context of 0 is a CUDA graph's padding row (slot -1, seq_len 0, block table of zeros). The metadata bounds the
+    contexts by `bound`, as a CUDA graph's does, else by the longest."""
+    contexts = torch.tensor([c for _, _, c in seqs])
+    pos = (contexts - 1).clamp(min=0)
+    table = torch.zeros(len(seqs), max(len(pages) for _, pages, _ in seqs), dtype=torch.int32)
+    slots = torch.full((len(seqs),), -1)
+    for i, (_, pages, c) in enumerate(seqs):
+        table[i, :len(pages)] = pages
+        if c:
+            slots[i] = pages[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK
+    ids = torch.stack([ids[c - 1] if c else ids[0] for ids, _, c in seqs])
+    meta = AttentionMetadata(slots, len(seqs), table, contexts.to(torch.int32), bound or int(contexts.max()), None,
+                             None, None, 0, 0)
+    with set_forward_context(meta), torch.no_grad():
+        return model.compute_logits(model(ids, pos))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
@@ -108,12 +122,12 @@ def _step(model, ids, pages, start, n, bound=None):
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 @pytest.mark.parametrize("context", [1, 37, 300])
 def test_decode_step_through_the_kernel_equals_the_layers(tmp_path, monkeypatch, arch, layout, dtype, rel, context):
-    _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context)
+    _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, (context,))
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa3", "qwen3-head256", "llama-kv3"])
 def test_other_head_shapes(tmp_path, monkeypatch, arch):
-    _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float32, 1e-5, 300)
+    _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float32, 1e-5, (300,))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
@@ -123,7 +137,7 @@ def test_projections_streamed_in_slices(tmp_path, monkeypatch, arch):
     monkeypatch.setattr(decode_layer, "SLICE_BYTES", 4096)
     monkeypatch.setattr(decode_layer, "STEP_BYTES", 2048)
     assert decode_layer._gemv_plan(384, 128, 1, 8, 2) == (8, 8, 0)
-    _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float16, 2e-2, 300)
+    _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float16, 2e-2, (300,))
 
 
 def test_the_engine_declines_the_kernel_where_shares_stream(tmp_path, monkeypatch):
@@ -161,6 +175,8 @@ def test_launch_configs_per_kind_of_launch():
     plain = (dl.NUM_WARPS, {})
     one_size = (dl.ATTENTION_WARPS, dict(maxnreg=dl.ATTENTION_REGISTERS))
     assert kernel._launch_configs(False, False, True) == [proj, one_size, proj, plain, plain]
+    # the projections' caps are one row's: at two, each row's input beside the held weights would spill under them
+    assert kernel._launch_configs(True, False, True, 2) == [plain, (dl.ATTENTION_WARPS, {}), plain, plain, plain]
     two_sizes = [proj, (dl.ATTENTION_WARPS, {}), proj, (dl.NUM_WARPS, dict(maxnreg=gate_up)), plain]
     assert kernel._launch_configs(True, False, True) == two_sizes
     assert kernel._launch_configs(True, True, True) == [proj, (dl.ATTENTION_LONG_WARPS, {}), proj, plain, plain]
@@ -174,26 +190,60 @@ def test_launch_configs_per_kind_of_launch():
 def test_a_graph_bound_past_the_context(tmp_path, monkeypatch, context):
     """A decode graph's step bounds its context by the graph's size: attention then has both tile sizes compiled
     and picks by the context at run time."""
-    _check_decode_step(tmp_path, monkeypatch, "qwen3", "vllm", torch.float32, 1e-5, context, bound=1024)
+    _check_decode_step(tmp_path, monkeypatch, "qwen3", "vllm", torch.float32, 1e-5, (context,), bound=1024)
 
 
-def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context, bound=None):
+@pytest.mark.parametrize("arch,layout,dtype,rel,contexts,bound", [
+    ("qwen3", "vllm", torch.float32, 1e-5, (37, 1), None),
+    ("qwen2", "hnd", torch.float16, 2e-2, (300, 20, 129), None),
+    ("llama-kv3", "hnd", torch.float32, 1e-5, (130, 0, 300, 5), 1024),
+])
+def test_a_step_of_several_sequences(tmp_path, monkeypatch, arch, layout, dtype, rel, contexts, bound):
+    """Sequences of different lengths, each with its own pages, in one step of the kernel (every phase runs each
+    row with the weights it holds); a CUDA graph's padding row among them writes nothing. Up to 4 rows, past the
+    engine's MAX_ROWS (a tuning choice; the kernel takes any number)."""
+    from pagedllm.ops.triton import decode_layer
+    monkeypatch.setattr(decode_layer, "MAX_ROWS", 4)
+    _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, contexts, bound)
+
+
+def test_more_rows_than_the_kernel_takes_keep_the_layers(tmp_path, monkeypatch):
+    """A decode step of more than MAX_ROWS sequences is not the kernel's: the plan declines it."""
+    from pagedllm.ops.triton import decode_layer
+    model = _model(tmp_path, "qwen3", torch.float16)
+    _bind_caches(model, "hnd", 4, torch.float16)
+    monkeypatch.setattr(fused_decode, "fused_kernels", lambda x: _fused())
+    for rows in (decode_layer.MAX_ROWS, decode_layer.MAX_ROWS + 1):
+        meta = AttentionMetadata(torch.full((rows,), -1), rows, torch.zeros(rows, 4, dtype=torch.int32),
+                                 torch.zeros(rows, dtype=torch.int32), 0, None, None, None, 0, 0)
+        with set_forward_context(meta):
+            plan = fused_decode.fused_decode(model.model, torch.zeros(rows, dtype=torch.long))
+        assert isinstance(plan, fused_decode.FusedDecode) == (rows == decode_layer.MAX_ROWS)
+
+
+def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, contexts, bound=None):
+    """One decode step of sequences of these contexts (0: a padding row) through the kernel against the layers."""
     model = _model(tmp_path, arch, dtype)
-    num_blocks = -(-context // BLOCK) + 3
-    gen = torch.Generator().manual_seed(context)
-    pages = torch.randperm(num_blocks, generator=gen)[:-(-context // BLOCK)]
-    ids = torch.randint(0, 96, (context,), generator=gen)
+    counts = [-(-c // BLOCK) for c in contexts]
+    num_blocks = sum(counts) + 3
+    gen = torch.Generator().manual_seed(sum(contexts))
+    order = torch.randperm(num_blocks, generator=gen)
+    seqs = [(torch.randint(0, 96, (max(c, 1),), generator=gen), order[sum(counts[:i]):sum(counts[:i + 1])], c)
+            for i, c in enumerate(contexts)]
     _bind_caches(model, layout, num_blocks, dtype)
-    if context > 1:
-        _step(model, ids, pages, 0, context - 1)
+    for ids, pages, c in seqs:
+        if c > 1:
+            _prefill(model, ids, pages, c - 1)
     before = _caches(model)
-    reference = _step(model, ids, pages, context - 1, 1)
+    reference = _decode(model, seqs)
     reference_caches = _caches(model)
 
     _restore(model, before)
     # The kernel requests the cached keys before it has the newest one: what the newest token's slot held before
     # the step must never reach its attention.
-    _poison_slot(model, pages, context - 1)
+    for _, pages, c in seqs:
+        if c:
+            _poison_slot(model, pages, c - 1)
     for module in (norm, activation, rotary, linear, fused_decode):  # CPU tensors take the kernels too
         monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
     from pagedllm.ops.triton.decode_layer import DecoderLayerKernel
@@ -206,8 +256,11 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, context,
     kernel = DecoderLayerKernel(model.config.hidden_size, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                 dtype, torch.device("cpu"), num_programs=8)
     model.model._fused_decode = {"auto": fused_decode.FusedDecode(model.model, kernel)}  # the default mode's
-    logits = _step(model, ids, pages, context - 1, 1, bound)
+    logits = _decode(model, seqs, bound)
     assert calls == [0, 1]  # the kernel ran each layer
+    real = [i for i, c in enumerate(contexts) if c]  # a padding row's logits are anything finite
+    assert torch.isfinite(logits).all()
+    logits, reference = logits[real], reference[real]
     err = (logits - reference).abs().max() / reference.abs().max()
     assert err < rel, f"max error {err:.2e} relative to the largest logit"
     for ours, theirs in zip(_caches(model), reference_caches):

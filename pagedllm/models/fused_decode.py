@@ -1,17 +1,17 @@
-"""Decode steps of one sequence through a fused kernel, for Llama-family models with 16-bit weights on the fused
-path: by default the Triton decoder-layer kernel (pagedllm.ops.triton.decode_layer: five launches per layer
-instead of ~9 kernels).
+"""Decode steps of a few sequences through a fused kernel, for Llama-family models with 16-bit weights on the fused
+path: by default the Triton decoder-layer kernel (pagedllm.ops.triton.decode_layer: five launches per layer instead of
+~9 kernels, for up to its MAX_ROWS sequences).
 
-LlamaModel.forward asks `fused_decode` on every forward pass; it answers only for a decode-only step of one
-token (the forward context says so) whose layers the kernel covers, so everything else (prefills, batches,
-fp8 caches, ALiBi, biases outside q/k/v) keeps the layers' own path. PAGEDLLM_DECODE_LAYER: unset or 1 takes the
-kernel only where it requests each program's weight shares whole (where they would stream in slices, as Llama 3
-8B's do, the layers are faster); "triton" takes it wherever it runs; 0 turns it off (the layers' fused path then
-runs those steps, as before); "persistent" runs each layer as one launch with
-grid barriers (decode_layer says why that is not the default); "cuda" runs the whole model as one CUDA launch
-whose weights stream independently of the layers' dependency chain (pagedllm/ops/cuda/decode_model.py;
-slower than the default so far, benchmarks/results/README.md), where the CUDA op library builds and the
-model fits it. Read at every step, so a test or an A/B run can switch it between steps.
+LlamaModel.forward asks `fused_decode` on every forward pass; it answers only for a decode-only step (the forward
+context says so) of few enough sequences whose layers the kernel covers, so everything else (prefills, larger batches,
+fp8 caches, ALiBi, biases outside q/k/v) keeps the layers' own path. The CUDA kernel takes one sequence.
+PAGEDLLM_DECODE_LAYER: unset or 1 takes the kernel only where it requests each program's weight shares whole (where they
+would stream in slices, as Llama 3 8B's do, the layers are faster); "triton" takes it wherever it runs; 0 turns it off
+(the layers' fused path then runs those steps, as before); "persistent" runs each layer as one launch with grid barriers
+(decode_layer says why that is not the default); "cuda" runs the whole model as one CUDA launch whose weights stream
+independently of the layers' dependency chain (pagedllm/ops/cuda/decode_model.py; slower than the default so far,
+benchmarks/results/README.md), where the CUDA op library builds and the model fits it. Read at every step, so a test or
+an A/B run can switch it between steps.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class FusedDecode:
     """The model's layers as the Triton kernel reads them, and the kernel's plan; built once per model and mode."""
 
     def __init__(self, model, kernel) -> None:
+        self.max_rows = kernel.max_rows
         self.kernel = kernel
         self.cos_sin_cache = model.rotary_emb.cos_sin_cache
         self.weights = [_layer_weights(layer) for layer in model.layers]
@@ -44,12 +45,12 @@ class FusedDecode:
         meta = get_forward_context()
         k = self.kernel
         k.begin_step()
-        x = embedded
+        x, rows = embedded, embedded.shape[0]
         for i, (w, attn) in enumerate(zip(self.weights, self.attns)):
             k(i, x, w, attn.key_cache, attn.value_cache, attn.scale, self.cos_sin_cache, positions,
               meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, meta.decode_max_seq_len)
-            x = k.x
-        return SplitKSums(k.x.view(1, 1, -1)), k.residual.view(1, -1)
+            x = k.x[:rows]
+        return SplitKSums(x[None]), k.residual[:rows]
 
 
 def _layer_weights(layer):
@@ -65,6 +66,7 @@ def _layer_weights(layer):
 
 class CudaDecode:
     """The whole-model CUDA kernel's plan; built once per model."""
+    max_rows = 1
 
     def __init__(self, model, kernel) -> None:
         self.kernel = kernel
@@ -121,10 +123,11 @@ def fused_decode(model, input_ids: torch.Tensor) -> FusedDecode | CudaDecode | N
     mode = "auto" if mode in ("1", "true", "on", "yes") else mode
     if mode not in MODES:
         raise ValueError(f"{ENV_VAR}={mode!r}: expected 0, 1 or one of " + ", ".join(MODES))
-    if input_ids.shape[0] != 1 or fused_kernels(input_ids) is None:
+    rows = input_ids.shape[0]
+    if fused_kernels(input_ids) is None:
         return None
     meta = get_forward_context()
-    if (meta.num_decode_tokens != 1 or meta.graph_split is not None
+    if (meta.num_decode_tokens != rows or meta.graph_split is not None
             or model.layers[0].self_attn.attn.kv_cache_dtype != "auto"):
         return None
     plans = getattr(model, "_fused_decode", None)
@@ -132,4 +135,5 @@ def fused_decode(model, input_ids: torch.Tensor) -> FusedDecode | CudaDecode | N
         plans = model._fused_decode = {}  # mode -> plan, or None where no kernel applies
     if mode not in plans:
         plans[mode] = _build(model, input_ids.device, mode)
-    return plans[mode]
+    plan = plans[mode]
+    return plan if plan is not None and rows <= plan.max_rows else None

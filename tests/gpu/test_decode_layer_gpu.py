@@ -1,10 +1,12 @@
-"""The batch-1 decode kernels on the GPU, at the random-weight Qwen3-0.6B and Llama shapes of test_engine_gpu.py.
+"""The small-batch decode kernels on the GPU, at the random-weight Qwen3-0.6B and Llama shapes of test_engine_gpu.py.
 The Triton decoder-layer kernel's persistent mode (one launch a layer, grid barriers) gives what the five phases
-launched one by one give, to the FMA contraction of their projections (so the barriers order every phase's reads
-after the writes they need), and repeats itself bit for bit; both agree with the layers' fused path; the CUDA whole-model kernel agrees with the layers too, writes the same K/V, and
-repeats itself bit for bit (its barriers and partition merges restart correctly every step); and batch-1 greedy
-decoding through the engine (CUDA graphs and eager, every mode) stays near transformers' fp32 greedy choice, as
-the engine's other half-precision paths must (test_engine_gpu.py)."""
+launched one by one give, to the FMA contraction of their projections (so the barriers order every phase's reads after
+the writes they need), and repeats itself bit for bit; both agree with the layers' fused path; the CUDA whole-model
+kernel agrees with the layers too, writes the same K/V, and repeats itself bit for bit (its barriers and partition
+merges restart correctly every step); and batch-1 greedy decoding through the engine (CUDA graphs and eager, every mode)
+stays near transformers' fp32 greedy choice, as the engine's other half-precision paths must (test_engine_gpu.py). Steps
+of several sequences (a CUDA graph's padding row among them) compute each row bit for bit as its sequence's step alone,
+and greedy decoding of several prompts at once stays near transformers too."""
 import pytest
 import torch
 
@@ -68,6 +70,61 @@ def _layers_step(model, monkeypatch, context):
     return token, pages, start, _decode(model, token, context, pages), _caches(model)
 
 
+def _decode_rows(model, tokens, contexts, pages, bound):
+    """Hidden states of one decode step of several sequences (context 0: a CUDA graph's padding row, slot -1, seq_len
+    0 and a block table row of zeros), each with its own pages, planned for contexts up to `bound`."""
+    rows = len(contexts)
+    table = torch.zeros(rows, max(map(len, pages)), dtype=torch.int32, device="cuda")
+    slots = torch.full((rows,), -1, device="cuda")
+    for i, (c, p) in enumerate(zip(contexts, pages)):
+        if c:
+            table[i, :len(p)] = p
+            slots[i] = p[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(slots, rows, table, seq_lens, bound, None, None, None, 0, 0)
+    with set_forward_context(meta), torch.no_grad():
+        return model(torch.tensor(tokens, device="cuda"), (seq_lens.long() - 1).clamp(min=0))
+
+
+@pytest.mark.parametrize("contexts", [(1000, 100), (2000, 0, 1, 1000)])
+@pytest.mark.parametrize("mode", ["triton", "persistent"])
+def test_several_rows_equal_one_at_a_time(model, monkeypatch, contexts, mode):
+    """A step of several sequences through the kernel computes each row bit for bit as a step of that sequence alone
+    (the same arithmetic, planned for the same context bound) and writes the same K/V, a padding row none; and
+    repeats itself bit for bit. One sequence's step agrees with the layers' path (the test below). Up to 4 rows,
+    past the engine's MAX_ROWS (a tuning choice: the kernel takes any number)."""
+    monkeypatch.setattr(decode_layer, "MAX_ROWS", 4)
+    monkeypatch.setattr(model.model, "_fused_decode", {}, raising=False)  # plans built for the patched MAX_ROWS
+    monkeypatch.setenv(fused_decode.ENV_VAR, mode)
+    gen = torch.Generator().manual_seed(sum(contexts))
+    blocks = model.model.layers[0].self_attn.attn.key_cache.shape[0]
+    order = torch.randperm(blocks, generator=gen).cuda()
+    counts = [-(-c // BLOCK) for c in contexts]
+    pages = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(contexts))]
+    tokens = torch.randint(0, 1000, (len(contexts),), generator=gen).tolist()
+    bound = max(contexts)
+    start = _caches(model)
+    # one after another: their pages are disjoint, so together they write what the step of all of them writes
+    alone = {i: _decode_rows(model, [tokens[i]], [c], [pages[i]], bound)[0] for i, c in enumerate(contexts) if c}
+    alone_caches = _caches(model)
+    rows = []
+    monkeypatch.setattr(DecoderLayerKernel, "__call__",
+                        lambda self, *a, f=DecoderLayerKernel.__call__, **kw: rows.append(a[1].shape[0]) or
+                        f(self, *a, **kw))
+    _restore(model, start)
+    together = _decode_rows(model, tokens, contexts, pages, bound)
+    assert rows and set(rows) == {len(contexts)}  # the kernel ran every layer with every row
+    assert torch.isfinite(together).all()
+    for i, hidden in alone.items():
+        assert torch.equal(together[i], hidden), f"row {i}: {(together[i] - hidden).abs().max()}"
+    for n, (mine, theirs) in enumerate(zip(_caches(model), alone_caches)):
+        wrong = (mine != theirs).flatten(1).any(1).nonzero().flatten().tolist()
+        assert not wrong, f"cache {n}: pages {wrong} differ; the rows' pages {[p.tolist() for p in pages]}"
+    for _ in range(3):
+        _restore(model, start)
+        assert torch.equal(_decode_rows(model, tokens, contexts, pages, bound), together)
+
+
 @pytest.mark.parametrize("context", CONTEXTS)
 def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
     token, pages, start, layers, _ = _layers_step(model, monkeypatch, context)
@@ -113,7 +170,7 @@ def test_trace_holds_every_launch_in_order(model, monkeypatch):
     _restore(model, start)
     plain = _decode(model, token, 1000, pages)
     kernel = model.model._fused_decode["triton"].kernel
-    trace = torch.zeros(len(model.model.layers), decode_layer.PHASES, max(kernel.launch_programs), 2,
+    trace = torch.zeros(len(model.model.layers), decode_layer.PHASES, max(kernel.launch_programs()), 2,
                         dtype=torch.int64, device="cuda")
     kernel.trace = trace
     try:
@@ -122,7 +179,7 @@ def test_trace_holds_every_launch_in_order(model, monkeypatch):
     finally:
         kernel.trace = None
     assert torch.equal(traced, plain)
-    for phase, programs in enumerate(kernel.launch_programs):  # only the launch's own programs write
+    for phase, programs in enumerate(kernel.launch_programs()):  # only the launch's own programs write
         assert (trace[:, phase, :programs] > 0).all() and (trace[:, phase, programs:] == 0).all()
     t = trace.flatten(0, 1)  # [launches in order, programs, (start, end)]
     assert (t[..., 1] >= t[..., 0]).all()
@@ -221,14 +278,50 @@ def test_batch_one_greedy_is_near_transformers(hf_model_dir, monkeypatch, enforc
     else:
         monkeypatch.setattr(DecoderLayerKernel, "begin_step",
                             lambda self, f=DecoderLayerKernel.begin_step: calls.append(1) or f(self))
-    vocab = model.config.vocab_size
-    for n in (7, 1000):
-        prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    for prompt in _prompts(model, (7, 1000)):
         [tokens] = ours(path, [prompt], dtype="bfloat16", enforce_eager=enforce_eager)
-        logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0, n - 1:-1].float()
-        spread = logits.max(-1).values - logits.min(-1).values
-        gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
-        assert bool((gap <= 0.02 * spread).all()), (gap / spread).max().item()
+        _assert_near_transformers(model, prompt, tokens)
     # The kernel ran the steps (or was captured into the decode graphs that replay them); the CUDA kernel does not
     # take the test Llama's 5632-wide MLP.
     assert bool(calls) == (mode != "cuda" or model.config.intermediate_size <= MAX_GEMV_INPUT)
+
+
+@pytest.mark.parametrize("enforce_eager,lengths,max_rows", [(False, (7, 1000), None), (True, (7, 1000), None),
+                                                            (False, (7, 300, 1000), 4)],
+                         ids=["graphs", "eager", "graphs-padding-row"])
+@torch.inference_mode()
+def test_several_prompts_greedy_is_near_transformers(hf_model_dir, monkeypatch, enforce_eager, lengths, max_rows):
+    """Prompts decoded together take the kernel in steps of all of them (three: with MAX_ROWS raised to 4, in the
+    4-row decode graph, one row padding), and each token stays within 2% of the logit spread of transformers' fp32
+    best on our own sequence."""
+    from pagedllm.worker.cuda_graph import DecodeGraphs
+    path, model = hf_model_dir
+    monkeypatch.setenv(fused_decode.ENV_VAR, "triton")
+    if max_rows:
+        monkeypatch.setattr(decode_layer, "MAX_ROWS", max_rows)
+    rows, replays = [], []
+    monkeypatch.setattr(DecoderLayerKernel, "__call__",
+                        lambda self, *a, f=DecoderLayerKernel.__call__, **kw: rows.append(a[1].shape[0]) or
+                        f(self, *a, **kw))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, bs, *a, f=DecodeGraphs.run, **kw: replays.append(bs) or
+                        f(self, bs, *a, **kw))
+    prompts = _prompts(model, lengths)
+    for prompt, tokens in zip(prompts, ours(path, prompts, dtype="bfloat16", enforce_eager=enforce_eager)):
+        _assert_near_transformers(model, prompt, tokens)
+    # the kernel ran the steps of all the prompts (in graphs: captured at the padded size, which replayed them)
+    step = len(prompts) if enforce_eager else 1 << (len(prompts) - 1).bit_length()
+    assert step in rows and (enforce_eager or step in replays)
+
+
+def _prompts(model, lengths):
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            for n in lengths]
+
+
+def _assert_near_transformers(model, prompt, tokens):
+    """Each of our greedy tokens within 2% of the logit spread of transformers' fp32 best on our own sequence."""
+    n = len(prompt)
+    logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0, n - 1:-1].float()
+    spread = logits.max(-1).values - logits.min(-1).values
+    gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+    assert bool((gap <= 0.02 * spread).all()), (gap / spread).max().item()

@@ -1,5 +1,5 @@
-"""A Llama-family decoder layer as five kernel phases (or one persistent launch), for decode steps of one
-sequence.
+"""A Llama-family decoder layer as five kernel phases (or one persistent launch), for decode steps of up to
+MAX_ROWS sequences (rows): every phase runs its work for each row, reusing the weight share it holds.
 
 At batch 1 a layer ran as ~9 kernels (norm, qkv, RoPE + cache write, attention, its reduce, o_proj, norm,
 gate_up, down), each streaming a few MB of weights and each paying a launch gap, a ramp to full bandwidth and
@@ -102,6 +102,12 @@ STEP_BYTES = 32768
 # 619 / 735, 8 593 / 591 / 614 / 757.
 O_COLUMN_GROUPS = 2
 MAX_PROGRAMS = 128
+# Decode steps of up to this many sequences take the kernel: each program's weight share, requested once, serves
+# every row. Each row's input and sums then stay live beside the held weights, so the projections take 98-128
+# registers at 2 rows (no two phases' programs share an SM, so no phase's weights stream during the one before) and
+# gate_up spills at 4. On the H100 (benchmarks/results/README.md, twenty-eighth session), forward at 1024 tokens
+# (graphs bounded at 2048): 2 rows 919 us against the layers' 1093, 4 rows 1620 against 1182.
+MAX_ROWS = 2
 BLOCK_N = 64  # keys per attention tile (twice that for partitions longer than one)
 # o_proj's per-kv-head partial sums are added into one int64 vector in fixed point (2^-32 steps, |x| < 2^31), so
 # the sum is the same whatever order the programs' atomics land in; phase D's programs then each read 8 KB where
@@ -423,10 +429,10 @@ def _merged_heads(kv_head, c0, attn_max, attn_sum, attn_acc, attn_new, v_new, GR
 def _decoder_layer_kernel(
     x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_new, o_sum, act, barrier, barrier_base,
     w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, post_eps, qk_eps, scale,
-    cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table,
+    cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table, stride_bt,
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, trace,
-    D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr, HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, O_GROUPS: tl.constexpr, A_RPP: tl.constexpr,
     A_STEPS: tl.constexpr, A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr,
     U_RPP: tl.constexpr, U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr,
@@ -451,12 +457,14 @@ def _decoder_layer_kernel(
         share = _weight_share(w_qkv, pid, N_QKV, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, D)
         if PDL:
             pdl.gdc_wait()
-        h, x = _norm_row(x_in, residual, w_ln, eps, D, D_PAD)
-        if pid == 0:
-            tl.store(res_mid + cols, h, mask=cols < D)
-            # read by the previous layer's phase D, which has ended: this layer's phase C adds into it
-            tl.store(o_sum + cols, tl.zeros([D_PAD], tl.int64), mask=cols < D)
-        _gemv(w_qkv, share, pid, N_QKV, x, qkv, b_qkv, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, QKV_BIAS, D, 1)
+        for r in tl.static_range(ROWS):  # the rows reuse the weights the program holds
+            h, x = _norm_row(x_in + r * D, residual + r * D, w_ln, eps, D, D_PAD)
+            if pid == 0:
+                tl.store(res_mid + r * D + cols, h, mask=cols < D)
+                # read by the previous layer's phase D, which has ended: this layer's phase C adds into it
+                tl.store(o_sum + r * D + cols, tl.zeros([D_PAD], tl.int64), mask=cols < D)
+            _gemv(w_qkv, share, pid, N_QKV, x, qkv + r * N_QKV, b_qkv, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, QKV_BIAS,
+                  D, 1)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + NPROG)
     # o_proj is split over the kv heads, as attention is (NP programs a kv head): each program merges some of the
@@ -474,24 +482,33 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 2:  # o_proj's weights stream in while attention runs
         share = _weight_share(w_o + o_head * O_K + o_cols, o_block, o_rows, OKC, OKC_PAD, O_RPP, O_STEPS, O_RPP2, 1,
                               HEADS * HEAD_SIZE)
+    ITEMS: tl.constexpr = KV_HEADS * (NP + NEWEST_APART)  # phase B's work items of a row
+    STATS: tl.constexpr = HEADS * NP  # a row's partition maxima (and sums)
     if PHASE < 0 or PHASE == 1:
-        if pid < KV_HEADS * (NP + NEWEST_APART):  # in five launches, every program of phase B's
-            _attention(pid, qkv, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache, stride_cs, positions,
-                       slot_mapping, seq_lens, block_table, k_cache, v_cache, stride_kb, stride_kh, stride_k2,
-                       stride_vb, stride_vh, stride_v2, attn_max, attn_sum, attn_acc, attn_new, HEADS, KV_HEADS,
-                       HEAD_SIZE, GROUP_PAD, GROUP_P2, NP, BLOCK_SIZE, BLOCK_N, LONG, NEWEST_APART, X, LAYOUT,
-                       QK_NORM, DOT_PREC, PDL)
+        # five launches: a program per item of each row; one launch: every program takes its item of each row
+        for i in tl.static_range(ROWS if PHASE < 0 else 1):
+            r = i if PHASE < 0 else pid // ITEMS
+            if PHASE == 1 or pid < ITEMS:
+                _attention(pid % ITEMS, qkv + r * N_QKV, q_norm_w, k_norm_w, qk_eps, scale, cos_sin_cache,
+                           stride_cs, positions + r, slot_mapping + r, seq_lens + r, block_table + r * stride_bt,
+                           k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2,
+                           attn_max + r * STATS, attn_sum + r * STATS, attn_acc + r * STATS * HEAD_SIZE,
+                           attn_new + r * HEADS, HEADS, KV_HEADS, HEAD_SIZE, GROUP_PAD, GROUP_P2, NP, BLOCK_SIZE,
+                           BLOCK_N, LONG, NEWEST_APART, X, LAYOUT, QK_NORM, DOT_PREC, PDL)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 2 * NPROG)
     if PHASE < 0 or PHASE == 2:
         if PDL:
             pdl.gdc_wait()
-        o = _merged_heads(o_head, o_cols, attn_max, attn_sum, attn_acc, attn_new,
-                          qkv + (HEADS + KV_HEADS + o_head) * HEAD_SIZE, GROUP, NP, NP_PAD, HEAD_SIZE, OKC_PAD)
-        # rounded as the attention output the layers' o_proj reads
-        o = o.to(qkv.dtype.element_ty)
-        _gemv(w_o + o_head * O_K + o_cols, share, o_block, o_rows, o, o_sum, o_sum, OKC, OKC_PAD, O_RPP, O_STEPS,
-              O_RPP2, 1, False, HEADS * HEAD_SIZE, 1)
+        for r in tl.static_range(ROWS):
+            o = _merged_heads(o_head, o_cols, attn_max + r * STATS, attn_sum + r * STATS,
+                              attn_acc + r * STATS * HEAD_SIZE, attn_new + r * HEADS,
+                              qkv + r * N_QKV + (HEADS + KV_HEADS + o_head) * HEAD_SIZE, GROUP, NP, NP_PAD, HEAD_SIZE,
+                              OKC_PAD)
+            # rounded as the attention output the layers' o_proj reads
+            o = o.to(qkv.dtype.element_ty)
+            _gemv(w_o + o_head * O_K + o_cols, share, o_block, o_rows, o, o_sum + r * D, o_sum, OKC, OKC_PAD, O_RPP,
+                  O_STEPS, O_RPP2, 1, False, HEADS * HEAD_SIZE, 1)
     if PHASE < 0 or PHASE == 3:
         share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, D)
     if PHASE < 0:
@@ -499,17 +516,19 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 3:
         if PDL:
             pdl.gdc_wait()
-        h, x = _norm_row(o_sum, res_mid, w_post, post_eps, D, D_PAD)
-        if PDL:
-            # down_proj's programs start only now: launched with this phase's, their 6 MB of weights streamed
-            # beside gate_up's 13 MB, which its programs request only as o_proj's leave the SMs. On the H100
-            # (twenty-fifth session, benchmarks/results/README.md) this phase then ended 8.2 us after o_proj
-            # instead of 9.0 and down_proj's 0.2 us later; the forward at 1024 / 1500 / 4000 / 8000 tokens 618 /
-            # 641 / 762 / 948 -> 610 / 634 / 757 / 945 us (64 tokens: 618 -> 619).
-            _launch_dependents_after(x)
-        if pid == 0:
-            tl.store(residual + cols, h, mask=cols < D)
-        _gemv(w_gate_up, share, pid, INTER, x, act, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False, D, 1)
+        for r in tl.static_range(ROWS):
+            h, x = _norm_row(o_sum + r * D, res_mid + r * D, w_post, post_eps, D, D_PAD)
+            if PDL and r == 0:
+                # down_proj's programs start only now: launched with this phase's, their 6 MB of weights streamed
+                # beside gate_up's 13 MB, which its programs request only as o_proj's leave the SMs. On the H100
+                # (twenty-fifth session, benchmarks/results/README.md) this phase then ended 8.2 us after o_proj
+                # instead of 9.0 and down_proj's 0.2 us later; the forward at 1024 / 1500 / 4000 / 8000 tokens 618 /
+                # 641 / 762 / 948 -> 610 / 634 / 757 / 945 us (64 tokens: 618 -> 619).
+                _launch_dependents_after(x)
+            if pid == 0:
+                tl.store(residual + r * D + cols, h, mask=cols < D)
+            _gemv(w_gate_up, share, pid, INTER, x, act + r * INTER, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False,
+                  D, 1)
     if PHASE < 0 or PHASE == 4:
         share = _weight_share(w_down, pid, D, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2, 1, INTER)
     if PHASE < 0:
@@ -517,7 +536,8 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 4:
         if PDL:
             pdl.gdc_wait()
-        _gemv_of(w_down, share, pid, D, act, x_out, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2)
+        for r in tl.static_range(ROWS):
+            _gemv_of(w_down, share, pid, D, act + r * INTER, x_out + r * D, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2)
     if TRACE:  # when the program started and when its last thread issued its last store
         tl.debug_barrier()
         tl.store(trace + 2 * pid, started)
@@ -602,10 +622,6 @@ class DecoderLayerKernel:
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype = dtype
         self.partitions = max(1, num_programs // num_kv_heads)
-        # the most programs of each of the five launches (phase B: one per kv head and partition, and one per kv head
-        # for the newest token); the persistent launch has num_programs
-        self.launch_programs = [num_programs] * PHASES
-        self.launch_programs[1] = num_kv_heads * (self.partitions + 1)
         q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
         itemsize = dtype.itemsize
         self.plans = plans = _plans(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, itemsize,
@@ -624,18 +640,19 @@ class DecoderLayerKernel:
 
         def buf(*shape, dtype=torch.float32):
             return torch.zeros(shape, dtype=dtype, device=device)
-        self.x = buf(hidden_size)  # a layer's MLP output, float32 as the split-K sums were
-        self.residual = buf(hidden_size, dtype=dtype)
-        self.res_mid = buf(hidden_size, dtype=dtype)
-        self.qkv = buf(q_width + 2 * kv_width, dtype=dtype)
-        self.attn_stats = buf(2, num_heads, self.partitions)
-        self.attn_acc = buf(num_heads, head_size, self.partitions)
-        self.attn_new = buf(num_heads)  # the newest token's scores
-        self.o_sum = buf(hidden_size, dtype=torch.int64)  # o_proj's output, fixed point (_FIXED_ONE)
-        self.act = buf(intermediate_size, dtype=dtype)
+        self.max_rows = rows = MAX_ROWS  # the scratch buffers' rows
+        self.x = buf(rows, hidden_size)  # a layer's MLP output, float32 as the split-K sums were
+        self.residual = buf(rows, hidden_size, dtype=dtype)
+        self.res_mid = buf(rows, hidden_size, dtype=dtype)
+        self.qkv = buf(rows, q_width + 2 * kv_width, dtype=dtype)
+        self.attn_stats = buf(2, rows, num_heads, self.partitions)
+        self.attn_acc = buf(rows, num_heads, head_size, self.partitions)
+        self.attn_new = buf(rows, num_heads)  # the newest token's scores
+        self.o_sum = buf(rows, hidden_size, dtype=torch.int64)  # o_proj's output, fixed point (_FIXED_ONE)
+        self.act = buf(rows, intermediate_size, dtype=dtype)
         self.barrier = buf(1, dtype=torch.int32)  # the persistent mode's
-        # int64 [layers, PHASES, max(launch_programs), 2] to receive each program's start and end (GPU nanoseconds)
-        # in each phase's launch, five launches only: benchmarks/decode_layer.py sets it.
+        # int64 [layers, PHASES, max(launch_programs()), 2] to receive each program's start and end (GPU
+        # nanoseconds) in each phase's launch, five launches of one row only: benchmarks/decode_layer.py sets it.
         self.trace: torch.Tensor | None = None
 
     @staticmethod
@@ -666,17 +683,27 @@ class DecoderLayerKernel:
                        num_programs)
         return any(steps > 1 for steps in plans[1::3])
 
-    def _launch_configs(self, long: bool, many_keys: bool, nvidia: bool) -> list[tuple[int, dict]]:
+    def _launch_configs(self, long: bool, many_keys: bool, nvidia: bool, rows: int = 1) -> list[tuple[int, dict]]:
         """(warps, register cap) of each phase's launch, the fastest measured on the H100 (the constants say where):
         long: attention has both tile sizes; many_keys: a partition may hold more than 3 BLOCK_N keys; nvidia:
-        the backend takes maxnreg."""
+        the backend takes maxnreg. The projections' caps are for one row: with more, each row's input and sums
+        beside the held weights spill under them (Qwen3-0.6B's qkv 300 bytes at 2 rows)."""
         attention = (ATTENTION_LONG_WARPS if many_keys else ATTENTION_WARPS,
                      dict(maxnreg=ATTENTION_REGISTERS) if nvidia and not long else {})
 
         def cap(projection, registers, where=True):
-            return (NUM_WARPS, dict(maxnreg=registers) if nvidia and where and self.capped[projection] else {})
+            capped = nvidia and where and self.capped[projection] and rows == 1
+            return (NUM_WARPS, dict(maxnreg=registers) if capped else {})
         return [cap(0, PROJECTION_REGISTERS), attention, cap(1, PROJECTION_REGISTERS),
                 cap(2, GATE_UP_REGISTERS, long and not many_keys), (NUM_WARPS, {})]
+
+    def launch_programs(self, rows: int = 1, apart: bool = True) -> list[int]:
+        """The programs of each of the five launches of a step of `rows` rows (phase B: one per row, kv head and
+        partition, and with the newest token's items apart one per row and kv head); the persistent launch has
+        num_programs."""
+        programs = [self.num_programs] * PHASES
+        programs[1] = rows * self.num_kv_heads * (self.partitions + apart)
+        return programs
 
     def begin_step(self) -> None:
         """Before a step's first layer: the barrier counter restarts (the layers' barriers follow on from each
@@ -688,10 +715,10 @@ class DecoderLayerKernel:
                  value_cache: torch.Tensor, scale: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int,
                  phased: bool | None = None) -> None:
-        """Layer `layer` of the step for one sequence: x_in is its input (the embedding for layer 0, else
-        self.x); leaves its output in self.x and self.residual. Reads one token's
-        positions / slot_mapping / seq_lens entries and the sequence's block table row; max_seq_len: a bound on its
-        length (a CUDA graph's context bound), which sizes the attention tiles.
+        """Layer `layer` of a decode step of up to max_rows sequences: x_in [rows, hidden] is its input (the
+        embedding for layer 0, else self.x's first rows); leaves its output in the first rows of self.x and
+        self.residual. Reads the rows' positions / slot_mapping / seq_lens entries and block table rows;
+        max_seq_len: a bound on their lengths (a CUDA graph's context bound), which sizes the attention tiles.
         phased: the five phases as five launches (default unless self.persistent; always for CPU tensors,
         which the interpreter runs)."""
         layout, block_size, x = _host.cache_layout(key_cache, value_cache)
@@ -699,8 +726,11 @@ class DecoderLayerKernel:
         long = triton.cdiv(max_seq_len, self.partitions) > block_n
         group = self.num_heads // self.num_kv_heads
         qk_norm = w.q_norm is not None
+        rows = x_in.shape[0]
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"decoder-layer kernel: {rows} rows (1 to {self.max_rows})")
         consts = dict(
-            D=self.hidden_size, D_PAD=triton.next_power_of_2(self.hidden_size),
+            ROWS=rows, D=self.hidden_size, D_PAD=triton.next_power_of_2(self.hidden_size),
             INTER=self.intermediate_size, INTER_PAD=triton.next_power_of_2(self.intermediate_size),
             HEADS=self.num_heads, KV_HEADS=self.num_kv_heads,
             HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
@@ -717,20 +747,20 @@ class DecoderLayerKernel:
                 w.input_norm, w.qkv, w.qkv if w.qkv_bias is None else w.qkv_bias,
                 w.q_norm if qk_norm else w.input_norm, w.k_norm if qk_norm else w.input_norm, w.o, w.post_norm,
                 w.gate_up, w.down, w.eps, w.post_eps, w.qk_eps, scale, cos_sin_cache, cos_sin_cache.stride(0),
-                positions, slot_mapping, seq_lens, block_table, key_cache, value_cache, *key_cache.stride()[:3],
+                positions, slot_mapping, seq_lens, block_table, block_table.stride(0), key_cache, value_cache,
+                *key_cache.stride()[:3],
                 *value_cache.stride()[:3])
         phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
-        if self.trace is not None and not (phased and x_in.is_cuda):
-            raise ValueError("decoder-layer kernel: the trace times the five launches on a GPU")
+        if self.trace is not None and not (phased and x_in.is_cuda and rows == 1):
+            raise ValueError("decoder-layer kernel: the trace times the five launches of one row on a GPU")
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
         # phase frees and request their weights before they wait for its results.
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
         many_keys = triton.cdiv(max_seq_len, self.partitions) > 3 * block_n
-        configs = self._launch_configs(long, many_keys, x_in.is_cuda and torch.version.hip is None)
+        configs = self._launch_configs(long, many_keys, x_in.is_cuda and torch.version.hip is None, rows)
         # the newest token's attention items apart, past the partitions' (_attention says where not)
         apart = phased and not many_keys
-        programs = list(self.launch_programs)
-        programs[1] = self.num_kv_heads * (self.partitions + apart)
+        programs = self.launch_programs(rows, apart)
         for phase in range(PHASES) if phased else (-1,):
             warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
             # LONG only where attention runs (gate_up's register cap follows it and many_keys): the other phases'
