@@ -45,9 +45,9 @@ class DecodeModelKernel:
         self.qkv = buf((num_heads + 2 * num_kv_heads) * head_size)
         self.attn_part = buf(num_kv_heads * partitions * group * (head_size + 2), torch.float32)
         self.attn_out = buf(num_heads * head_size)
-        self.o_sum = buf(self.hidden_size, torch.int64)  # o_proj's output in fixed point, zero between steps
+        self.o_out = buf(self.hidden_size, torch.float32)
         self.act = buf(self.intermediate_size)
-        self.sync = buf(1 + 2 * num_kv_heads, torch.int64)  # grid barrier, kv heads' rows and partitions done
+        self.sync = buf(1 + num_kv_heads, torch.int64)  # grid barrier counter, kv heads' arrival counters
         # Weights stay where they are; a layer's cache may be rebound (tests do), so those are checked per call.
         self._weight_pointers = [[getattr(w, name).data_ptr() if getattr(w, name) is not None else 0
                                   for name in _POINTERS] for w in weights]
@@ -98,7 +98,7 @@ class DecodeModelKernel:
         self._update_table()
         k0 = self.attns[0].key_cache
         torch.ops.pagedllm.decode_model_b1(
-            embedded, self.x, self.residual, self.res_mid, self.qkv, self.attn_part, self.attn_out, self.o_sum,
+            embedded, self.x, self.residual, self.res_mid, self.qkv, self.attn_part, self.attn_out, self.o_out,
             self.act, self.sync, self.table, cos_sin_cache, positions, slot_mapping, seq_lens, block_table,
             self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_size,
             k0.shape[2], k0.stride(0), k0.stride(1), self.num_blocks, self.eps, self.post_eps, self.qk_eps,

@@ -13,19 +13,13 @@
 // between phases, attention. While the consumers wait at a barrier or attend, the ring (~190 KB a block,
 // most of a layer's ~240 KB share) fills with what comes next.
 //
-// Phases of a layer. Block (kv head h, partition i) owns what h's exchanges need, so that two of them wait for h's
-// 16 blocks only (counters in global memory) instead of a grid barrier:
-//   A  residual add + RMSNorm (once per block, into shared memory), an i-th share of h's q/k/v rows; h's count of
-//      rows written grows
-//   B  once h's rows are all written: q/k RMSNorm + RoPE, the new token's K/V into the cache, attention over
-//      partition i; h's count of partitions done grows
-//   C  once h's partitions are done: their merge, times o_proj's i-th share of rows over h's columns, added into
-//      o_sum in fixed point (2^-32 steps: the sum over the kv heads does not depend on their order)
-//   -- grid barrier --
-//   D  residual add + RMSNorm of o_sum, gate_up row pairs + SiLU-and-mul (every block's share)
-//   -- grid barrier --
+// Phases of a layer (a grid barrier after each):
+//   A  residual add + RMSNorm (once per block, into shared memory), qkv rows
+//   B  (kv head, partition) items: q/k RMSNorm + RoPE, the new token's K/V into the cache, attention over the
+//      partition; the last partition of a kv head to finish merges the head's partials
+//   C  o_proj rows
+//   D  residual add + RMSNorm, gate_up row pairs + SiLU-and-mul
 //   E  down_proj rows: the layer's output (float32) and the residual are the next layer's input
-//   -- grid barrier --
 // Values are rounded to the model dtype where the layers' own path holds them in tensors of that dtype, as
 // the Triton kernel does, so the paths agree to the GEMVs' order of accumulation.
 //
@@ -33,10 +27,10 @@
 // resident at once: the launcher sizes the grid to the SMs, one block each (the ring takes most of shared
 // memory). KV cache: pagedllm's "hnd" layout [blocks, kv_heads, block_size, head_size], 16-bit.
 //
-// Measured on the H100 (benchmarks/results/README.md, eleventh and twenty-ninth sessions): the stream alone reads
-// the layers' weights at 3.0 TB/s (10.4 us a layer), but the chain takes ~33 us a layer; with the weight stream off
-// it still takes 26.5 us, more than the Triton kernel's whole layer (~21 us), so this kernel is opt-in
-// (PAGEDLLM_DECODE_LAYER=cuda).
+// Measured on the H100 (benchmarks/results/README.md, eleventh session): the stream alone reads the layers'
+// weights at 3.0 TB/s (10.4 us a layer), but the chain takes ~33 us a layer (five barriers at 1.25-3 us of
+// waiting each, GEMV phases at ~0.75-1 us per 24 KB stage, attention ~5 us): the forward is 917-932 us against
+// the Triton kernel's 750, so this kernel is opt-in (PAGEDLLM_DECODE_LAYER=cuda).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -77,10 +71,9 @@ struct Params {
   void* qkv;             // [(heads + 2 kv_heads) head_size] T
   float* attn_part;      // [kv_heads, partitions, group, head_size + 2]: max (log2), sum, unnormalised output
   void* attn_out;        // [heads * head_size] T
-  unsigned long long* o_sum;  // [hidden] o_proj's output in fixed point (2^-32 steps), summed over the kv heads
+  float* o_out;          // [hidden]
   void* act;             // [inter] T
-  // [0] grid barrier arrivals; [1 + h] kv head h's q/k/v rows written; [1 + kv_heads + h] its partitions done
-  unsigned long long* sync;
+  unsigned long long* sync;  // [0] grid barrier, [1 + h] kv head h's arrivals
   const float* cos_sin;      // [positions, head_size]: cos then sin
   int64_t cos_sin_stride;
   const int64_t* positions;
@@ -109,26 +102,17 @@ __device__ __forceinline__ unsigned long long load_acquire(const unsigned long l
   return v;
 }
 
-// Counters only grow (see the kernel), so no waiter can miss a release. The CTA barriers order all consumer
-// threads' stores before the release and their later loads after the acquire, as cooperative groups' grid sync
-// does.
-__device__ __forceinline__ void release_add(unsigned long long* counter, unsigned long long n) {
+// Every block adds one to the counter and waits for `target`; the counter only grows (see the kernel), so no
+// block can miss a release. The CTA barriers order all consumer threads' stores before the release and their
+// later loads after the acquire, as cooperative groups' grid sync does.
+__device__ __forceinline__ void grid_sync(unsigned long long* counter, unsigned long long target) {
   consumer_sync();
-  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(counter), "l"(n) : "memory");
-}
-
-__device__ __forceinline__ void wait_for(const unsigned long long* counter, unsigned long long target) {
   if (threadIdx.x == 0) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
     while (load_acquire(counter) < target) {
     }
   }
   consumer_sync();
-}
-
-// Every block adds one to the counter and waits for `target`.
-__device__ __forceinline__ void grid_sync(unsigned long long* counter, unsigned long long target) {
-  release_add(counter, 1);
-  wait_for(counter, target);
 }
 
 __device__ __forceinline__ void mark(const Params& p, int layer, int point) {
@@ -175,11 +159,24 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 
 __device__ __forceinline__ float warp_sum(float v) { return warp_sum_xor(v, 16, 1); }
 
-// A GEMV's input goes through the block's shared memory (vec): one L2 read per block. When every warp of every block
+using Vec = float[kMaxChunks][8];  // a GEMV input: lane l holds elements 8 (32 c + l) ... + 7
+
+__device__ __forceinline__ bool chunk_ok(int c, int k8) { return c * 32 + static_cast<int>(threadIdx.x % 32) < k8; }
+
+// A GEMV's input goes through the block's shared memory: one L2 read per block. When every warp of every block
 // read the same few KB from the L2 right after a grid barrier (1056 warps), those lines became a hotspot that
-// cost ~10 us a layer. The GEMVs read it from there beside their weights: held in registers it took 48-96 of them,
-// and every GEMV unrolled over a register array's constant indices made the kernel's code ~270 KB, its phases
-// then ~2x slower than with ~150 KB.
+// cost ~10 us a layer.
+
+// x from the block's copy; chunks past k are zeroed, not skipped: every element written kills x's previous phase.
+template <typename T>
+__device__ __forceinline__ void vec_to_regs(const T* vec, int k, Vec& x) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) {
+    const uint4 v = chunk_ok(c, k / 8) ? reinterpret_cast<const uint4*>(vec)[c * 32 + lane] : uint4{};
+    unpack8<T>(v, x[c]);
+  }
+}
 
 // vec = src [k] (another phase's output).
 template <typename T>
@@ -208,26 +205,15 @@ __device__ __forceinline__ NormWeights prefetch_norm(const T* w, int k) {
   return r;
 }
 
-constexpr float kFixedOne = 4294967296.f;  // o_sum's fixed point: 2^32 steps per unit
-
 // vec = RMSNorm(h) * w with h = round(round(in) + res) (res may be null), rounded as fused.rms_norm rounds;
-// `h_out` (may be null) receives h. in is float32 (in_f), fixed point (in_q) or T (in_t); red: kWarps floats of
-// scratch.
+// `h_out` (may be null) receives h. in is float32 (in_f) or T (in_t); red: kWarps floats of scratch.
 template <typename T>
-__device__ __forceinline__ void stage_norm(const float* in_f, const unsigned long long* in_q, const T* in_t,
-                                           const T* res, const NormWeights& nw, float eps, int k, T* h_out, T* vec,
-                                           float* red) {
+__device__ __forceinline__ void stage_norm(const float* in_f, const T* in_t, const T* res, const NormWeights& nw,
+                                           float eps, int k, T* h_out, T* vec, float* red) {
   float ss = 0.f;
   for (int j = threadIdx.x; j < k / 8; j += kConsumers) {
     float h[8];
-    if (in_q != nullptr) {
-#pragma unroll
-      for (int e = 0; e < 8; e += 2) {
-        const ulonglong2 q = __ldcg(reinterpret_cast<const ulonglong2*>(in_q + 8 * j + e));
-        h[e] = rnd<T>(__ll2float_rn(static_cast<long long>(q.x)) / kFixedOne);
-        h[e + 1] = rnd<T>(__ll2float_rn(static_cast<long long>(q.y)) / kFixedOne);
-      }
-    } else if (in_f != nullptr) {
+    if (in_f != nullptr) {
       const float4 a = __ldcg(reinterpret_cast<const float4*>(in_f) + 2 * j);
       const float4 b = __ldcg(reinterpret_cast<const float4*>(in_f) + 2 * j + 1);
       const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
@@ -272,62 +258,29 @@ __device__ __forceinline__ void stage_norm(const float* in_f, const unsigned lon
 // ---------------------------------------------------------------------------------------------------------
 // The weight stream
 // ---------------------------------------------------------------------------------------------------------
-// A run of a projection's rows that this block computes: output rows first .. first + count - 1, each `bytes` long at
-// src + i * stride in memory (a gate_up pair's up row `pair` bytes after its gate row; 0: single rows).
-struct Seg {
-  const char* src;
-  int64_t stride, pair;
-  int bytes, first, count;
+struct Gemv {
+  int n, k, pairs, weight;  // rows (row pairs: gate and up), inputs, 1 or 2, pointer index
 };
 
-// Share `part` [first, last) of n split into `parts` equal contiguous shares; by default this block's of the grid's.
-__device__ __forceinline__ int2 share_of(int n, int parts, int part) {
-  return make_int2(static_cast<int>(static_cast<int64_t>(n) * part / parts),
-                   static_cast<int>(static_cast<int64_t>(n) * (part + 1) / parts));
+__device__ __forceinline__ Gemv gemv_of(const Params& p, int mat, int head_size) {
+  switch (mat) {
+    case kMatQkv: return {(p.heads + 2 * p.kv_heads) * head_size, p.hidden, 1, kQkv};
+    case kMatO: return {p.hidden, p.heads * head_size, 1, kO};
+    case kMatGateUp: return {p.inter, p.hidden, 2, kGateUp};
+    default: return {p.hidden, p.inter, 1, kDown};
+  }
 }
 
-__device__ __forceinline__ int2 share_of(int n) { return share_of(n, gridDim.x, blockIdx.x); }
-
-// Run k (0 .. kMaxRuns - 1; count 0: none) of this block's rows of projection `mat`, as the producer streams them and
-// the consumers take them. A function of k, not a callback per run: each of the kernel's GEMV call sites then holds
-// one copy of the loop over the runs (the code's size matters: see vec). Attention blocks own the rows that their kv
-// head's exchanges need: block (kv head h, partition i) computes an i-th share of h's q, k and v rows (up to three
-// runs), and o_proj's i-th share of rows over h's columns only (its split-K partial, summed over the kv heads in
-// fixed point). The MLP's rows are shared by every block.
-constexpr int kMaxRuns = 3;
-
-template <typename T, int HEAD>
-__device__ __forceinline__ Seg segment_of(const Params& p, const int64_t* lp, int mat, int k) {
-  constexpr int E = sizeof(T);
-  const int gh = p.heads / p.kv_heads * HEAD;  // a kv head's query channels
-  const int h = blockIdx.x / p.partitions, part = blockIdx.x % p.partitions;
-  const bool attends = static_cast<int>(blockIdx.x) < p.kv_heads * p.partitions;
-  Seg none{nullptr, 0, 0, 0, 0, 0};
-  if (mat == kMatQkv) {
-    if (!attends) return none;
-    const int2 mine = share_of(gh + 2 * HEAD, p.partitions, part);  // in the list: h's q rows, k row, v row
-    const int lo = k == 0 ? 0 : gh + (k - 1) * HEAD, hi = gh + k * HEAD;
-    const int a = max(mine.x, lo), b = min(mine.y, hi);
-    const int row = (k == 0 ? h * gh : (p.heads + (k - 1) * p.kv_heads + h) * HEAD) + a - lo;
-    if (a >= b) return none;
-    return {reinterpret_cast<const char*>(lp[kQkv]) + static_cast<int64_t>(row) * p.hidden * E, p.hidden * E, 0,
-            p.hidden * E, row, b - a};
-  }
-  if (k > 0 || (mat == kMatO && !attends)) return none;
-  if (mat == kMatO) {
-    const int2 r = share_of(p.hidden, p.partitions, part);
-    const int64_t stride = static_cast<int64_t>(p.heads) * HEAD * E;
-    return {reinterpret_cast<const char*>(lp[kO]) + r.x * stride + static_cast<int64_t>(h) * gh * E, stride, 0,
-            gh * E, r.x, r.y - r.x};
-  }
-  const bool gate_up = mat == kMatGateUp;
-  const int2 r = share_of(gate_up ? p.inter : p.hidden);
-  const int64_t stride = static_cast<int64_t>(gate_up ? p.hidden : p.inter) * E;
-  return {reinterpret_cast<const char*>(lp[gate_up ? kGateUp : kDown]) + r.x * stride, stride,
-          gate_up ? p.inter * stride : 0, static_cast<int>(stride), r.x, r.y - r.x};
+// This block's rows [first, last) of a projection: equal contiguous shares.
+__device__ __forceinline__ int2 share_of(int n) {
+  return make_int2(static_cast<int>(static_cast<int64_t>(n) * blockIdx.x / gridDim.x),
+                   static_cast<int>(static_cast<int64_t>(n) * (blockIdx.x + 1) / gridDim.x));
 }
 
-__device__ __forceinline__ int rows_per_stage(const Seg& s) { return kStageBytes / (s.bytes * (s.pair ? 2 : 1)); }
+template <typename T>
+__device__ __forceinline__ int rows_per_stage(const Gemv& g) {
+  return kStageBytes / (g.k * g.pairs * static_cast<int>(sizeof(T)));
+}
 
 struct Ring {
   char* stages;
@@ -337,44 +290,28 @@ struct Ring {
   uint32_t it;      // stages used so far (the producer and each consumer warp count alike)
 };
 
-// The producer warp: every layer's four projections, this block's rows, in consumption order. Rows that are not
-// contiguous in memory (o_proj's slices of h's columns) go as one bulk copy per row, spread over the lanes.
+// The producer: every layer's four projections, this block's rows, in consumption order.
 template <typename T, int HEAD>
 __device__ void produce(const Params& p, Ring ring) {
-  const int lane = threadIdx.x % 32;
   for (int layer = 0; layer < p.num_layers; ++layer) {
-    const int64_t* lp = p.layers + layer * kPtrsPerLayer;
-    bool first = true;
     for (int mat = 0; mat < kMats; ++mat) {
-#pragma unroll 1
-      for (int k = 0; k < kMaxRuns; ++k) {
-        const Seg sg = segment_of<T, HEAD>(p, lp, mat, k);
-        if (sg.count == 0) continue;
-        const int step = rows_per_stage(sg);
-        for (int r = 0; r < sg.count; r += step, ++ring.it) {
-          const int s = ring.it % ring.count;
-          const uint32_t round = ring.it / ring.count;
-          if (round > 0) mbar_wait(&ring.empty[s], (round - 1) & 1);
-          if (first && lane == 0) mark(p, layer, 10);
-          first = false;
-          const int rows = min(step, sg.count - r);
-          const uint32_t bytes = rows * sg.bytes;
-          if (lane == 0) mbar_expect_tx(&ring.full[s], sg.pair ? 2 * bytes : bytes);
-          __syncwarp();
-          char* dst = ring.stages + static_cast<int64_t>(s) * kStageBytes;
-          const char* src = sg.src + r * sg.stride;
-          if (sg.stride == sg.bytes) {
-            if (lane == 0) bulk_copy(dst, src, bytes, &ring.full[s]);
-            if (lane == 1 && sg.pair) bulk_copy(dst + bytes, src + sg.pair, bytes, &ring.full[s]);
-          } else {
-            for (int i = lane; i < rows; i += 32) {
-              bulk_copy(dst + i * sg.bytes, src + i * sg.stride, sg.bytes, &ring.full[s]);
-            }
-          }
-        }
+      const Gemv g = gemv_of(p, mat, HEAD);
+      const T* w = reinterpret_cast<const T*>(p.layers[layer * kPtrsPerLayer + g.weight]);
+      const int2 rows = share_of(g.n);
+      const int step = rows_per_stage<T>(g);
+      for (int r = rows.x; r < rows.y; r += step, ++ring.it) {
+        const int s = ring.it % ring.count;
+        const uint32_t round = ring.it / ring.count;
+        if (round > 0) mbar_wait(&ring.empty[s], (round - 1) & 1);
+        if (mat == kMatQkv && r == rows.x) mark(p, layer, 10);
+        const uint32_t bytes = min(step, rows.y - r) * g.k * sizeof(T);
+        mbar_expect_tx(&ring.full[s], bytes * g.pairs);
+        char* dst = ring.stages + static_cast<int64_t>(s) * kStageBytes;
+        bulk_copy(dst, w + static_cast<int64_t>(r) * g.k, bytes, &ring.full[s]);
+        if (g.pairs == 2) bulk_copy(dst + bytes, w + static_cast<int64_t>(g.n + r) * g.k, bytes, &ring.full[s]);
       }
     }
-    if (lane == 0) mark(p, layer, 11);
+    mark(p, layer, 11);
   }
 }
 
@@ -384,90 +321,53 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
-// N rows of a stage (shared memory) dotted with vec (shared memory, T), the sums in every lane: lane l takes the
-// 8-element chunks l, l + 32, ... The loads are explicit shared-memory loads: one generic load per chunk, each
-// waited for, made the GEMVs ~1.5x slower (917 against 1010 us for the model's forward, benchmarks/decode_layer.py).
-template <typename T, int N>
-__device__ __forceinline__ void dot_rows(const T* const (&rows)[N], const T* vec, int k8, float (&out)[N]) {
-  const uint32_t offset = (threadIdx.x % 32) * 16;
-  const uint32_t x_base = smem_addr(vec) + offset;
-  uint32_t base[N];
-  float acc[N][2];
+// One row of a stage dotted with x (all lanes get the sum). The loads go out four chunks at a time ahead of their
+// math, as explicit shared-memory loads: one generic load per chunk, each waited for, made the GEMVs ~1.5x slower
+// (917 against 1010 us for the model's forward, benchmarks/decode_layer.py).
+template <typename T>
+__device__ __forceinline__ float dot_row(const T* row, const Vec& x, int k8) {
+  const uint32_t base = smem_addr(row) + (threadIdx.x % 32) * 16;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int d = 0; d < N; ++d) {
-    base[d] = smem_addr(rows[d]) + offset;
-    acc[d][0] = acc[d][1] = 0.f;
-  }
-#pragma unroll 4
-  for (int c = threadIdx.x % 32; c < k8; c += 32) {
-    const uint32_t at = (c - threadIdx.x % 32) * 16;
-    const uint4 xv = lds128(x_base + at);
-    uint4 w[N];
+  for (int c0 = 0; c0 < kMaxChunks; c0 += 4) {
+    if (c0 * 32 >= k8) break;
+    uint4 w[4];
 #pragma unroll
-    for (int d = 0; d < N; ++d) w[d] = lds128(base[d] + at);
-    const uint32_t xu[4] = {xv.x, xv.y, xv.z, xv.w};
+    for (int c = 0; c < 4; ++c) w[c] = chunk_ok(c0 + c, k8) ? lds128(base + (c0 + c) * 512) : uint4{};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 xf = unpack2<T>(xu[i]);
+    for (int c = 0; c < 4; ++c) {
+      const uint32_t u[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
 #pragma unroll
-      for (int d = 0; d < N; ++d) {
-        const uint32_t wu[4] = {w[d].x, w[d].y, w[d].z, w[d].w};
-        const float2 f = unpack2<T>(wu[i]);
-        acc[d][i % 2] = fmaf(f.x, xf.x, acc[d][i % 2]);
-        acc[d][i % 2] = fmaf(f.y, xf.y, acc[d][i % 2]);
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(u[i]);
+        acc[i] = fmaf(f.x, x[c0 + c][2 * i], acc[i]);
+        acc[i] = fmaf(f.y, x[c0 + c][2 * i + 1], acc[i]);
       }
     }
   }
-#pragma unroll
-  for (int d = 0; d < N; ++d) out[d] = warp_sum(acc[d][0] + acc[d][1]);
+  return warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
 }
 
-// The consumer side of one projection: this block's rows out of the ring dotted with vec, dealt to the warps
-// round-robin over the whole share (so no warp always gets a stage's odd rows), two rows or one gate_up pair at a time
-// (their loads and shuffles overlap); out(row, dot, second dot of a pair).
+// The consumer side of one projection: this block's rows out of the ring, dealt to the warps round-robin over
+// the whole share (so no warp always gets a stage's odd rows); out(row, dot, second dot of a pair).
 template <typename T, int HEAD, typename Out>
-__device__ __forceinline__ void consume(const Params& p, const int64_t* lp, Ring& ring, int mat, const T* vec,
-                                        Out out) {
+__device__ __forceinline__ void consume(const Params& p, Ring& ring, int mat, const Vec& x, Out out) {
+  const Gemv g = gemv_of(p, mat, HEAD);
+  const int2 rows = share_of(g.n);
+  const int step = rows_per_stage<T>(g);
   const int warp = threadIdx.x / 32;
-  int done = 0;
-#pragma unroll 1
-  for (int k = 0; k < kMaxRuns; ++k) {
-    const Seg sg = segment_of<T, HEAD>(p, lp, mat, k);
-    if (sg.count == 0) continue;
-    const int step = rows_per_stage(sg), elems = sg.bytes / static_cast<int>(sizeof(T)), k8 = elems / 8;
-    for (int r = 0; r < sg.count; r += step, ++ring.it) {
-      const int s = ring.it % ring.count;
-      mbar_wait(&ring.full[s], (ring.it / ring.count) & 1);
-      const int rows = min(step, sg.count - r);
-      const T* stage = reinterpret_cast<const T*>(ring.stages + static_cast<int64_t>(s) * kStageBytes);
-      const int first = ((warp - (done + r)) % kWarps + kWarps) % kWarps;
-      if (sg.pair) {
-        for (int i = first; i < rows; i += kWarps) {
-          const T* src[2] = {stage + static_cast<int64_t>(i) * elems, stage + static_cast<int64_t>(rows + i) * elems};
-          float dots[2];
-          dot_rows<T, 2>(src, vec, k8, dots);
-          out(sg.first + r + i, dots[0], dots[1]);
-        }
-      } else {
-        int i = first;
-        for (; i + kWarps < rows; i += 2 * kWarps) {
-          const T* src[2] = {stage + static_cast<int64_t>(i) * elems, stage + static_cast<int64_t>(i + kWarps) * elems};
-          float dots[2];
-          dot_rows<T, 2>(src, vec, k8, dots);
-          out(sg.first + r + i, dots[0], 0.f);
-          out(sg.first + r + i + kWarps, dots[1], 0.f);
-        }
-        if (i < rows) {
-          const T* src[1] = {stage + static_cast<int64_t>(i) * elems};
-          float dots[1];
-          dot_rows<T, 1>(src, vec, k8, dots);
-          out(sg.first + r + i, dots[0], 0.f);
-        }
-      }
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) mbar_arrive(&ring.empty[s]);
+  for (int r = rows.x; r < rows.y; r += step, ++ring.it) {
+    const int s = ring.it % ring.count;
+    mbar_wait(&ring.full[s], (ring.it / ring.count) & 1);
+    const int n = min(step, rows.y - r);
+    const T* stage = reinterpret_cast<const T*>(ring.stages + static_cast<int64_t>(s) * kStageBytes);
+    for (int i = ((warp - (r - rows.x)) % kWarps + kWarps) % kWarps; i < n; i += kWarps) {
+      const float a = dot_row<T>(stage + static_cast<int64_t>(i) * g.k, x, g.k / 8);
+      const float b = g.pairs == 2 ? dot_row<T>(stage + static_cast<int64_t>(n + i) * g.k, x, g.k / 8) : 0.f;
+      out(r + i, a, b);
     }
-    done += sg.count;
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&ring.empty[s]);
   }
 }
 
@@ -508,6 +408,20 @@ __device__ __forceinline__ Elems<HEAD / 32> rotated_head(const T* src, const T* 
 }
 
 template <typename T, int EPL>
+__device__ __forceinline__ Elems<EPL> load_elems(const T* src) {
+  Elems<EPL> out;
+  if constexpr (EPL == 4) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(src);
+    const float2 a = unpack2<T>(raw.x), b = unpack2<T>(raw.y);
+    out.v[0] = a.x, out.v[1] = a.y, out.v[2] = b.x, out.v[3] = b.y;
+  } else {
+    const float2 a = unpack2<T>(*reinterpret_cast<const uint32_t*>(src));
+    out.v[0] = a.x, out.v[1] = a.y;
+  }
+  return out;
+}
+
+template <typename T, int EPL>
 __device__ __forceinline__ void store_elems(T* dst, const Elems<EPL>& x) {
   if constexpr (EPL == 4) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(x.v[0], x.v[1]), pack2<T>(x.v[2], x.v[3]));
@@ -535,20 +449,7 @@ struct Keys {
   static constexpr int kTokens = GMAX <= 2 ? 8 : 4;  // loads in flight per warp, as registers allow
   static constexpr int EPL = HEAD / 32;
   int block[kTokens];
-  uint32_t k[kTokens][EPL / 2], v[kTokens][EPL / 2];  // packed T pairs: half the registers of floats
-
-  __device__ __forceinline__ static float elem(const uint32_t (&x)[EPL / 2], int e) {
-    const float2 f = unpack2<T>(x[e / 2]);
-    return e % 2 ? f.y : f.x;
-  }
-
-  __device__ __forceinline__ void set(int u, const Elems<EPL>& kf, const Elems<EPL>& vf) {
-#pragma unroll
-    for (int i = 0; i < EPL / 2; ++i) {
-      k[u][i] = pack2<T>(kf.v[2 * i], kf.v[2 * i + 1]);
-      v[u][i] = pack2<T>(vf.v[2 * i], vf.v[2 * i + 1]);
-    }
-  }
+  Elems<EPL> k[kTokens], v[kTokens];
 
   __device__ __forceinline__ void find(const Params& p, int t0, int end) {
 #pragma unroll
@@ -560,14 +461,8 @@ struct Keys {
     for (int u = 0; u < kTokens; ++u) {
       const int64_t at = static_cast<int64_t>(block[u]) * p.cache_stride_block +
                          min(t0 + u * kWarps, end - 1) % p.block_size * HEAD + threadIdx.x % 32 * EPL;
-      if constexpr (EPL == 4) {
-        const uint2 a = *reinterpret_cast<const uint2*>(k_cache + at);
-        const uint2 b = *reinterpret_cast<const uint2*>(v_cache + at);
-        k[u][0] = a.x, k[u][1] = a.y, v[u][0] = b.x, v[u][1] = b.y;
-      } else {
-        k[u][0] = *reinterpret_cast<const uint32_t*>(k_cache + at);
-        v[u][0] = *reinterpret_cast<const uint32_t*>(v_cache + at);
-      }
+      k[u] = load_elems<T, EPL>(k_cache + at);
+      v[u] = load_elems<T, EPL>(v_cache + at);
     }
   }
 };
@@ -579,8 +474,7 @@ __device__ __forceinline__ T* head_cache(const Params& p, const int64_t* lp, int
 
 // Item (kv head, partition) of layer `lp`'s attention, for up to GMAX query heads per kv head (the register
 // arrays are sized by it); keys: the warp's first keys, requested. smem: q [group, HEAD] then the warps' partials
-// [kWarps, group, HEAD + 2]. The block's partial goes to attn_part, and the kv head's count of partitions done
-// grows by one.
+// [kWarps, group, HEAD + 2], one int.
 template <typename T, int HEAD, int GMAX>
 __device__ __forceinline__ void attend(const Params& p, const int64_t* lp, float* smem, int item,
                                       Keys<T, HEAD, GMAX>& keys) {
@@ -597,6 +491,7 @@ __device__ __forceinline__ void attend(const Params& p, const int64_t* lp, float
   const int start = range.x, end = range.y;
   float* q_s = smem;
   float* warp_part = smem + group * HEAD;
+  int* last_flag = reinterpret_cast<int*>(warp_part + kWarps * group * ROW);
   const T* qkv = static_cast<const T*>(p.qkv);
   T* k_cache = head_cache<T>(p, lp, kKCache, item);
   T* v_cache = head_cache<T>(p, lp, kVCache, item);
@@ -630,8 +525,12 @@ __device__ __forceinline__ void attend(const Params& p, const int64_t* lp, float
     store_elems<T, EPL>(v_cache + at, v);
     const int at_u = (newest - start) / kWarps;
 #pragma unroll
-    for (int u = 0; u < kTokens; ++u) {  // not an indexed store: the arrays stay in registers
-      if (u == at_u) keys.set(u, k, v);
+    for (int u = 0; u < kTokens; ++u) {  // selects, not an indexed store: the arrays stay in registers
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        keys.k[u].v[e] = u == at_u ? k.v[e] : keys.k[u].v[e];
+        keys.v[u].v[e] = u == at_u ? v.v[e] : keys.v[u].v[e];
+      }
     }
   }
   consumer_sync();
@@ -663,7 +562,7 @@ __device__ __forceinline__ void attend(const Params& p, const int64_t* lp, float
       for (int u = 0; u < kTokens; ++u) {
         float d = 0.f;
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) d = fmaf(q[g][e], keys.elem(k[u], e), d);
+        for (int e = 0; e < EPL; ++e) d = fmaf(q[g][e], k[u].v[e], d);
         s[u] = t0 + u * kWarps < end ? warp_sum(d) * p.qk_scale : -INFINITY;
         m_new = fmaxf(m_new, s[u]);
       }
@@ -677,7 +576,7 @@ __device__ __forceinline__ void attend(const Params& p, const int64_t* lp, float
         l[g] += pr;
         const float pt = rnd<T>(pr);  // P is rounded to the cache dtype before P V, as the Triton kernels do
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(pt, keys.elem(v[u], e), acc[g][e]);
+        for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(pt, v[u].v[e], acc[g][e]);
       }
       m[g] = m_new;
     }
@@ -710,24 +609,28 @@ __device__ __forceinline__ void attend(const Params& p, const int64_t* lp, float
     if (d == 0) out_part[g * ROW] = mx, out_part[g * ROW + 1] = sum;
     out_part[g * ROW + 2 + d] = o;
   }
-  release_add(p.sync + 1 + p.kv_heads + kv_head, 1);  // the kv head's partitions done
-}
-
-// Phase C's input: kv head h's attention output, its partitions merged and rounded to T, into vec [group * HEAD]
-// (and, from partition 0's block, into attn_out). stats: scratch for the partitions' [max, sum]. They go to shared
-// memory in one parallel pass, and each thread's partial outputs are loaded several at a time: a chain of one L2
-// round trip per partition would take longer than the attention itself.
-template <typename T, int HEAD>
-__device__ __forceinline__ void merge_head(const Params& p, int h, bool store, T* vec, float* stats) {
-  constexpr int ROW = HEAD + 2;
-  const int group = p.heads / p.kv_heads;
-  const float* parts = p.attn_part + static_cast<int64_t>(h) * p.partitions * group * ROW;
+  consumer_sync();
+  if (threadIdx.x == 0) {
+    unsigned long long* arrivals = p.sync + 1 + kv_head;
+    unsigned long long before;
+    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(before) : "l"(arrivals) : "memory");
+    const bool last = before == static_cast<unsigned long long>(p.partitions - 1);
+    if (last) *arrivals = 0;  // the next layer's arrivals come after a grid barrier
+    *last_flag = last;
+  }
+  consumer_sync();
+  if (!*last_flag) return;
+  // Last of the kv head's partitions: merge them into the attention output. The partitions' stats go to shared
+  // memory in one parallel pass, and each thread's partial outputs are loaded several at a time: a chain of
+  // one L2 round trip per partition would take longer than the attention itself.
+  const float* parts = p.attn_part + static_cast<int64_t>(kv_head) * p.partitions * group * ROW;
+  float* stats = warp_part;  // [partitions * group][max, sum]; the warps' partials are merged already
   for (int i = threadIdx.x; i < p.partitions * group; i += kConsumers) {
     stats[2 * i] = __ldcg(parts + i * ROW);
     stats[2 * i + 1] = __ldcg(parts + i * ROW + 1);
   }
   consumer_sync();
-  T* attn_out = static_cast<T*>(p.attn_out) + h * group * HEAD;
+  T* attn_out = static_cast<T*>(p.attn_out) + kv_head * group * HEAD;
   for (int idx = threadIdx.x; idx < group * HEAD; idx += kConsumers) {
     const int g = idx / HEAD, d = idx % HEAD;
     float mx = -INFINITY;
@@ -741,11 +644,8 @@ __device__ __forceinline__ void merge_head(const Params& p, int h, bool store, T
         o += scale * __ldcg(parts + (i * group + g) * ROW + 2 + d);
       }
     }
-    const T v = from_float<T>(den > 0.f ? o / den : 0.f);
-    vec[idx] = v;
-    if (store) attn_out[idx] = v;
+    attn_out[idx] = from_float<T>(den > 0.f ? o / den : 0.f);
   }
-  consumer_sync();
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -755,13 +655,11 @@ __host__ __device__ __forceinline__ int max_gemv_input(const Params& p, int head
   return max(max(p.hidden, p.inter), p.heads * head_size);
 }
 
-// Bytes of scratch after the ring: attention's, the merge's (its input to o_proj as floats' room, then the
-// partitions' stats), or a GEMV input (T) and kWarps partial sums.
+// Bytes of scratch after the ring: attention's, or a GEMV input (T) and kWarps partial sums.
 __host__ __device__ __forceinline__ int scratch_bytes(const Params& p, int head_size, int elem_size) {
   const int group = p.heads / p.kv_heads;
-  const int attention = (group * head_size + kWarps * group * (head_size + 2)) * 4;
-  const int merge = (group * head_size + 2 * p.partitions * group) * 4;
-  return max(max(attention, merge), max_gemv_input(p, head_size) * elem_size + kWarps * 4);
+  const int attention = (group * head_size + kWarps * group * (head_size + 2) + 4) * 4;
+  return max(attention, max_gemv_input(p, head_size) * elem_size + kWarps * 4);
 }
 
 template <typename T, int HEAD, int GMAX>
@@ -777,114 +675,101 @@ __global__ void __launch_bounds__(kThreads, 1) decode_model_kernel(const __grid_
   float* scratch = reinterpret_cast<float*>(ring.empty + p.stages);
   T* vec = reinterpret_cast<T*>(scratch);
   float* red = reinterpret_cast<float*>(vec + max_gemv_input(p, HEAD));
-  const int gh = p.heads / p.kv_heads * HEAD, head_rows = gh + 2 * HEAD;
-  __shared__ unsigned long long launch;
+  __shared__ unsigned long long barrier_base;
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);
       mbar_init(&ring.empty[s], kWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    // The counters grow by the same amounts every launch and never reset. The grid barrier's grows by gridDim.x
-    // per barrier, (3 a layer - 1) a launch. A block reads it before its own first arrival, when the launch's first
-    // barrier has not released: the value is the launch's base plus fewer than gridDim.x arrivals.
-    const unsigned long long per_launch = static_cast<unsigned long long>(gridDim.x) * (3 * p.num_layers - 1);
-    launch = load_acquire(p.sync) / per_launch;
+    // The barrier counter grows by gridDim.x per barrier, (5 layers - 1) barriers a launch, and never resets.
+    // A block reads it before its own first arrival, when the launch's first barrier has not released: the
+    // value is the launch's base plus fewer than gridDim.x arrivals.
+    const unsigned long long per_launch = static_cast<unsigned long long>(gridDim.x) * (5 * p.num_layers - 1);
+    const unsigned long long now = load_acquire(p.sync);
+    barrier_base = now - now % per_launch;
   }
   __syncthreads();
   if (threadIdx.x >= kConsumers) {
-    produce<T, HEAD>(p, ring);
+    if (threadIdx.x == kConsumers) produce<T, HEAD>(p, ring);
     return;
   }
   const int lane = threadIdx.x % 32;
   const bool writer = blockIdx.x == 0;  // stores the residual stream
-  // The counters' targets are recomputed from `launch` (shared memory) where they are needed: held in registers
-  // across attention they made it spill. Grid barrier k (1-3) of layer l is the launch's (3 l + k)-th.
-  int layer = 0;
-  auto grid_barrier = [&](int k) {
-    grid_sync(p.sync, (launch * (3 * p.num_layers - 1) + 3 * layer + k) * gridDim.x);
+  unsigned long long target = barrier_base;
+  int layer = 0, point = 0;  // for the trace
+  auto phase_edge = [&] {
+    if (threadIdx.x == 0) mark(p, layer, point++);
   };
-  auto phase_edge = [&](int point) {  // for the trace
-    if (threadIdx.x == 0) mark(p, layer, point);
+  auto barrier = [&] {
+    phase_edge();
+    grid_sync(p.sync, target += gridDim.x);
+    phase_edge();
   };
-  auto barrier = [&](int k, int point) {
-    phase_edge(point);
-    grid_barrier(k);
-    phase_edge(point + 1);
-  };
+  // x is rewritten whole by every phase (vec_to_regs), so it is dead across attention: no spills there.
+  Vec x;
   NormWeights norm_w = prefetch_norm(reinterpret_cast<const T*>(p.layers[kLn]), p.hidden);
-  // Attention: this block's item (kv head, partition) and the warp's first token there (the step's shape, the same
-  // in every layer); the kv head's counters and their values at this launch's start.
-  const int item = blockIdx.x, h = item / p.partitions;
+  // Attention: this block's item and the warp's first token there (the step's shape, the same in every layer).
+  const int item = blockIdx.x;
   const bool attends = item < p.kv_heads * p.partitions;
   const int2 range = attends ? partition_of(p, item) : make_int2(0, 0);
   const int t0 = range.x + static_cast<int>(threadIdx.x) / 32;
   const bool keyed = t0 < range.y;
-  // kv head h's counters: [0] its q/k/v rows written, [kv_heads] its partitions done; each grows by `per_layer` a layer
-  auto head_wait = [&](int counter, int per_layer) {
-    wait_for(p.sync + 1 + counter * p.kv_heads + h,
-             (launch * p.num_layers + layer + 1) * static_cast<unsigned long long>(per_layer));
-  };
   for (; layer < p.num_layers; ++layer) {
     const int64_t* lp = p.layers + layer * kPtrsPerLayer;
-    phase_edge(0);
+    point = 0;
+    phase_edge();
     Keys<T, HEAD, GMAX> keys;
     if (keyed) keys.find(p, t0, range.y);
-    if (attends) {  // A: residual add + RMSNorm, this block's q/k/v rows of its kv head
-      stage_norm<T>(layer ? p.x : nullptr, nullptr, layer ? nullptr : static_cast<const T*>(p.x_in),
+    {  // A: residual add + RMSNorm, qkv
+      stage_norm<T>(layer ? p.x : nullptr, layer ? nullptr : static_cast<const T*>(p.x_in),
                     layer ? static_cast<const T*>(p.residual) : nullptr, norm_w, p.eps, p.hidden,
                     writer ? static_cast<T*>(p.res_mid) : nullptr, vec, red);
       if (threadIdx.x == 0) mark(p, layer, 12);
+      vec_to_regs<T>(vec, p.hidden, x);
       const T* bias = p.qkv_bias ? reinterpret_cast<const T*>(lp[kQkvBias]) : nullptr;
-      consume<T, HEAD>(p, lp, ring, kMatQkv, vec, [&](int row, float a, float) {
+      consume<T, HEAD>(p, ring, kMatQkv, x, [&](int row, float a, float) {
         if (lane == 0) static_cast<T*>(p.qkv)[row] = from_float<T>(bias ? a + to_float(bias[row]) : a);
       });
-      const int2 mine = share_of(head_rows, p.partitions, item % p.partitions);
-      release_add(p.sync + 1 + h, mine.y - mine.x);
     }
     if (keyed) keys.load(p, head_cache<T>(p, lp, kKCache, item), head_cache<T>(p, lp, kVCache, item), t0, range.y);
-    phase_edge(1);
-    // B: attention, once the kv head's 16 blocks have written its q/k/v (no grid barrier)
-    if (attends) head_wait(0, head_rows);
-    phase_edge(2);
+    barrier();
+    // B: attention
     if (attends) attend<T, HEAD, GMAX>(p, lp, scratch, item, keys);
-    phase_edge(3);
-    // C: once the kv head's partitions are done, their merge times h's columns of o_proj, this block's rows
-    if (attends) head_wait(1, p.partitions);
-    phase_edge(4);
-    if (attends) {
-      merge_head<T, HEAD>(p, h, item % p.partitions == 0, vec, scratch + gh);
-      consume<T, HEAD>(p, lp, ring, kMatO, vec, [&](int row, float a, float) {
-        const long long q = __float2ll_rn(a * kFixedOne);
-        if (lane == 0) asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p.o_sum + row), "l"(q) : "memory");
+    barrier();
+    {  // C: o_proj
+      stage_vec<T>(static_cast<const T*>(p.attn_out), p.heads * HEAD, vec);
+      vec_to_regs<T>(vec, p.heads * HEAD, x);
+      consume<T, HEAD>(p, ring, kMatO, x, [&](int row, float a, float) {
+        if (lane == 0) p.o_out[row] = a;
       });
     }
     norm_w = prefetch_norm(reinterpret_cast<const T*>(lp[kPost]), p.hidden);
-    barrier(1, 5);
+    barrier();
     {  // D: residual add + RMSNorm, gate_up + SiLU-and-mul (rounded as F.linear, then as silu_and_mul rounds)
-      stage_norm<T>(nullptr, p.o_sum, nullptr, static_cast<const T*>(p.res_mid), norm_w, p.post_eps, p.hidden,
+      stage_norm<T>(p.o_out, nullptr, static_cast<const T*>(p.res_mid), norm_w, p.post_eps, p.hidden,
                     writer ? static_cast<T*>(p.residual) : nullptr, vec, red);
       if (threadIdx.x == 0) mark(p, layer, 13);
-      consume<T, HEAD>(p, lp, ring, kMatGateUp, vec, [&](int row, float a, float b) {
+      vec_to_regs<T>(vec, p.hidden, x);
+      consume<T, HEAD>(p, ring, kMatGateUp, x, [&](int row, float a, float b) {
         const float gate = rnd<T>(a);
         if (lane == 0) {
           static_cast<T*>(p.act)[row] = from_float<T>(rnd<T>(gate / (1.f + __expf(-gate))) * rnd<T>(b));
         }
       });
     }
-    barrier(2, 7);
-    {  // E: down_proj; o_sum is read (D) and is zeroed for the next layer's sums
+    barrier();
+    {  // E: down_proj
       stage_vec<T>(static_cast<const T*>(p.act), p.inter, vec);
-      consume<T, HEAD>(p, lp, ring, kMatDown, vec, [&](int row, float a, float) {
+      vec_to_regs<T>(vec, p.inter, x);
+      consume<T, HEAD>(p, ring, kMatDown, x, [&](int row, float a, float) {
         if (lane == 0) p.x[row] = a;
       });
-      const int2 zero = share_of(p.hidden);
-      for (int i = zero.x + threadIdx.x; i < zero.y; i += kConsumers) p.o_sum[i] = 0;
     }
-    phase_edge(9);
+    phase_edge();
     if (layer + 1 < p.num_layers) {
       norm_w = prefetch_norm(reinterpret_cast<const T*>(lp[kPtrsPerLayer + kLn]), p.hidden);
-      grid_barrier(3);
+      grid_sync(p.sync, target += gridDim.x);
     }
   }
 #endif
@@ -901,7 +786,7 @@ void check_buffer(const at::Tensor& t, const at::Tensor& like, at::ScalarType dt
 }  // namespace
 
 void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual, at::Tensor& res_mid,
-                     at::Tensor& qkv, at::Tensor& attn_part, at::Tensor& attn_out, at::Tensor& o_sum,
+                     at::Tensor& qkv, at::Tensor& attn_part, at::Tensor& attn_out, at::Tensor& o_out,
                      at::Tensor& act, at::Tensor& sync, const at::Tensor& layers, const at::Tensor& cos_sin_cache,
                      const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                      const at::Tensor& block_table, int64_t hidden, int64_t inter, int64_t heads,
@@ -940,9 +825,9 @@ void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual
   check_buffer(qkv, x_in, dtype, (heads + 2 * kv_heads) * head_size, "qkv");
   check_buffer(attn_part, x_in, at::kFloat, kv_heads * partitions * group * (head_size + 2), "attn_part");
   check_buffer(attn_out, x_in, dtype, heads * head_size, "attn_out");
-  check_buffer(o_sum, x_in, at::kLong, hidden, "o_sum");
+  check_buffer(o_out, x_in, at::kFloat, hidden, "o_out");
   check_buffer(act, x_in, dtype, inter, "act");
-  check_buffer(sync, x_in, at::kLong, 1 + 2 * kv_heads, "sync");
+  check_buffer(sync, x_in, at::kLong, 1 + kv_heads, "sync");
   check_buffer(cos_sin_cache, x_in, at::kFloat, head_size, "cos_sin_cache");
   TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == head_size, "cos_sin_cache must be ",
               "[positions, head_size], got ", shape(cos_sin_cache));
@@ -961,21 +846,19 @@ void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual
   p.num_layers = static_cast<int>(num_layers);
   p.hidden = static_cast<int>(hidden), p.inter = static_cast<int>(inter);
   p.heads = static_cast<int>(heads), p.kv_heads = static_cast<int>(kv_heads);
-  p.partitions = static_cast<int>(partitions);
   // The ring takes what shared memory the scratch and the mbarriers (16 bytes a stage) leave.
   const int scratch = scratch_bytes(p, static_cast<int>(head_size), static_cast<int>(x_in.element_size()));
   const int stages = static_cast<int>((smem_optin - scratch - 128) / (kStageBytes + 16));  // 128: static smem
   TORCH_CHECK(stages >= 2, "decode_model_b1: shared memory for ", str(stages), " weight stages");
   const int smem = stages * (kStageBytes + 16) + scratch;
-  p.block_size = static_cast<int>(block_size), p.stages = stages;
+  p.partitions = static_cast<int>(partitions), p.block_size = static_cast<int>(block_size), p.stages = stages;
   p.cache_stride_block = cache_stride_block, p.cache_stride_head = cache_stride_head;
   p.eps = static_cast<float>(eps), p.post_eps = static_cast<float>(post_eps), p.qk_eps = static_cast<float>(qk_eps);
   p.qk_scale = static_cast<float>(scale) * kLog2E;
   p.qk_norm = qk_norm, p.qkv_bias = qkv_bias;
   p.x_in = x_in.data_ptr(), p.x = x.data_ptr<float>(), p.residual = residual.data_ptr();
   p.res_mid = res_mid.data_ptr(), p.qkv = qkv.data_ptr(), p.attn_part = attn_part.data_ptr<float>();
-  p.attn_out = attn_out.data_ptr(), p.act = act.data_ptr();
-  p.o_sum = reinterpret_cast<unsigned long long*>(o_sum.data_ptr<int64_t>());
+  p.attn_out = attn_out.data_ptr(), p.o_out = o_out.data_ptr<float>(), p.act = act.data_ptr();
   p.sync = reinterpret_cast<unsigned long long*>(sync.data_ptr<int64_t>());
   p.cos_sin = cos_sin_cache.data_ptr<float>(), p.cos_sin_stride = cos_sin_cache.stride(0);
   p.positions = positions.data_ptr<int64_t>(), p.slot_mapping = slot_mapping.data_ptr<int64_t>();

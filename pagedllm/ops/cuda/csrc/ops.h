@@ -49,7 +49,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // down, key cache, value cache); the buffers are the step's scratch and results (x, residual). trace: optional
 // int64 [num_blocks, num_layers, 12] phase timestamps (decode_model.cu, kTracePoints).
 void decode_model_b1(const at::Tensor& x_in, at::Tensor& x, at::Tensor& residual, at::Tensor& res_mid,
-                     at::Tensor& qkv, at::Tensor& attn_part, at::Tensor& attn_out, at::Tensor& o_sum,
+                     at::Tensor& qkv, at::Tensor& attn_part, at::Tensor& attn_out, at::Tensor& o_out,
                      at::Tensor& act, at::Tensor& sync, const at::Tensor& layers, const at::Tensor& cos_sin_cache,
                      const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                      const at::Tensor& block_table, int64_t hidden, int64_t inter, int64_t heads,

@@ -23,7 +23,7 @@ TORCH_LIBRARY(pagedllm, m) {
         "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
   // Also writes the new token's K/V into the caches that `layers` points to.
   m.def("decode_model_b1(Tensor x_in, Tensor! x, Tensor! residual, Tensor! res_mid, Tensor! qkv, "
-        "Tensor! attn_part, Tensor! attn_out, Tensor! o_sum, Tensor! act, Tensor! sync, Tensor layers, "
+        "Tensor! attn_part, Tensor! attn_out, Tensor! o_out, Tensor! act, Tensor! sync, Tensor layers, "
         "Tensor cos_sin_cache, Tensor positions, Tensor slot_mapping, Tensor seq_lens, Tensor block_table, "
         "int hidden, int inter, int heads, int kv_heads, int head_size, int block_size, int cache_stride_block, "
         "int cache_stride_head, int num_blocks, float eps, float post_eps, float qk_eps, float scale, "
