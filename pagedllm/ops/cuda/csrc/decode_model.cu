@@ -30,7 +30,9 @@
 // Measured on the H100 (benchmarks/results/README.md, eleventh session): the stream alone reads the layers'
 // weights at 3.0 TB/s (10.4 us a layer), but the chain takes ~33 us a layer (five barriers at 1.25-3 us of
 // waiting each, GEMV phases at ~0.75-1 us per 24 KB stage, attention ~5 us): the forward is 917-932 us against
-// the Triton kernel's 750, so this kernel is opt-in (PAGEDLLM_DECODE_LAYER=cuda).
+// the Triton kernel's 750, so this kernel is opt-in (PAGEDLLM_DECODE_LAYER=cuda). Twenty-ninth session: with two of
+// the barriers replaced by kv-head counters (commit 768d253, reverted) it took as long, and with its weight stream
+// off that chain alone took 26.5 us a layer, more than the Triton kernel's whole layer by then (~21 us).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
