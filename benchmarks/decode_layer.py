@@ -1,6 +1,7 @@
 """Where the Triton decoder-layer kernel's time goes (pagedllm/ops/triton/decode_layer.py), timed as CUDA-graph
 replays: one layer in one persistent launch, the same layer as five launches, each phase launched alone, each phase's
-share of a layer inside the whole step (the kernel's per-program trace), the cost of one grid barrier; and the whole
+share of a layer inside the whole step (the kernel's per-program trace), the cost of one grid barrier and of one link
+of a chain of dependent launches (the floor under each phase boundary); and the whole
 model's step through it and through the CUDA whole-model kernel
 (pagedllm/ops/cuda/decode_model.py). Random Qwen3-0.6B-shaped weights in bf16, one sequence at
 --context tokens. The same layer replays, so its 31 MB of weights partly stay in the L2: read the layer
@@ -29,7 +30,7 @@ import triton.language as tl
 from pagedllm.bench.shapes import model_dir_for
 from pagedllm.layers.attention import AttentionMetadata, set_forward_context
 from pagedllm.models import fused_decode, load_model
-from pagedllm.ops.triton import decode_layer
+from pagedllm.ops.triton import decode_layer, pdl
 
 BLOCK = 16
 
@@ -69,6 +70,35 @@ class _OnePhase:
 def _barriers(barrier, N: tl.constexpr, NPROG: tl.constexpr):
     for i in tl.static_range(N):
         decode_layer._grid_sync(barrier, (i + 1) * NPROG)
+
+
+@triton.jit
+def _link(buf, w, W_N: tl.constexpr, D: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr):
+    """One launch of a chain: every program requests W_N weights (before its wait, as the kernel's phases do), reads
+    the D-vector the launch before wrote, and writes its share of the next one."""
+    pid = tl.program_id(0)
+    if PDL:
+        pdl.gdc_launch_dependents()
+    share = tl.load(w + pid * W_N + tl.arange(0, W_N)).to(tl.float32)
+    if PDL:
+        pdl.gdc_wait()
+    x = tl.load(buf + tl.arange(0, D))
+    mine = pid * (D // PROGRAMS) + tl.arange(0, D // PROGRAMS)
+    tl.store(buf + mine, tl.load(buf + mine) * 0.5 + tl.sum(x * x) * 1e-9 + tl.sum(share) * 1e-9)
+
+
+def link_us(programs: int, pdl_on: bool, weight_bytes: int) -> float:
+    """The cost of one link of a chain of dependent launches (_link) inside a CUDA graph: the floor under each of the
+    kernel's phase boundaries."""
+    buf = torch.ones(1024, device="cuda")
+    w_n = max(16, weight_bytes // 2)
+    w = torch.randn(programs * w_n, dtype=torch.bfloat16, device="cuda")
+    options = pdl.options(buf) if pdl_on else dict(PDL=False)
+
+    def chain(n):
+        return lambda: [_link[(programs,)](buf, w, W_N=w_n, D=1024, PROGRAMS=programs,
+                                           num_warps=decode_layer.NUM_WARPS, **options) for _ in range(n)]
+    return (graph_time_us(chain(33), 1) - graph_time_us(chain(1), 1)) / 32
 
 
 def triton_phases(model, ids, pos):
@@ -279,6 +309,10 @@ def main():
         _barriers[(k.num_programs,)](barrier, N=n, NPROG=k.num_programs, num_warps=decode_layer.NUM_WARPS)
     one, many = graph_time_us(lambda: barriers(1)), graph_time_us(lambda: barriers(17))
     print(f"grid barrier: {(many - one) / 16:.2f} us each ({k.num_programs} programs)")
+    for pdl_on, weight_bytes in ((False, 0), (True, 0), (True, 65536)):
+        print(f"dependent launches, {k.num_programs} programs of {decode_layer.NUM_WARPS} warps, "
+              f"{'PDL' if pdl_on else 'plain'}, {weight_bytes // 1024} KB of L2-resident weights a program: "
+              f"{link_us(k.num_programs, pdl_on, weight_bytes):.2f} us a link")
 
 
 if __name__ == "__main__":

@@ -32,20 +32,22 @@ H100 it was no faster than five plain launches inside a CUDA graph and is slower
 so it is opt-in (PAGEDLLM_DECODE_LAYER=persistent). The Triton interpreter runs programs one after another,
 where a grid barrier would wait forever: CPU tensors always take the five launches.
 
-Measured on the H100 (benchmarks/results/README.md, benchmarks/decode_layer.py): Qwen3-0.6B's batch-1 forward
-1045 -> 908 us with attention at 4 warps, ~25 us a layer (attention 8.5, gate_up 9.5 as launches of their own),
-904 -> 748 us with the phases as dependent launches; the engine's step ~1.0 ms against 1.36 without the
-kernel; a grid barrier ~1 us. Pulling the attention's K/V into the L2 during phase A (prefetch.global.L2)
-made the persistent layer slower (31 -> 35 us). A per-program timestamp trace of the forward (thirteenth session)
-showed the layer bound by the work after each phase's wait, not by its weights: with every layer reading one
-layer's weights from the L2 the forward still took 685 us against 752. Attention's first tile requested before
-its wait, the GEMVs' columns laid out so that each thread sums its own and bf16 widened with integer
+Measured on the H100 (benchmarks/results/README.md, benchmarks/decode_layer.py): Qwen3-0.6B's batch-1 forward 1045 ->
+908 us with attention at 4 warps, ~25 us a layer (attention 8.5, gate_up 9.5 as launches of their own), 904 -> 748 us
+with the phases as dependent launches; the engine's step ~1.0 ms against 1.36 without the kernel; a grid barrier ~1
+us. Pulling the attention's K/V into the L2 during phase A (prefetch.global.L2) made the persistent layer slower (31
+-> 35 us); in the five launches (thirtieth session), so did prefetching gate_up's and W_o's weights ahead of their
+phases (forward at 1024 tokens 585 -> 609-644 us) and waiting on an arrival counter instead of griddepcontrol.wait
+(593 -> 669 us; one dependent launch's boundary costs ~1.1 us by itself). A per-program timestamp trace of the forward
+(thirteenth session) showed the layer bound by the work after each phase's wait, not by its weights: with every layer
+reading one layer's weights from the L2 the forward still took 685 us against 752. Attention's first tile requested
+before its wait, the GEMVs' columns laid out so that each thread sums its own and bf16 widened with integer
 instructions took the forward at 1024 tokens from 747 to ~700 us, at 1100 from 810 to ~740; gate_up's shares spread
-over every program (16 + 8 rows, not 32 on three quarters of them) to ~660 / ~690; the attention partitions
-merged in o_proj's programs instead of by the last partition of each kv head to ~620 / ~660 (the sessions' own
-machines; alternating on one H100 in the sixteenth session, 662 / 664 us), the newest token's attention on its own
-to 636 / 648, the launch configs re-swept (twenty-fourth session) from 637 / 622 to 631 / 606 at 1024 tokens in
-graphs bounded at 1024 / 2048.
+over every program (16 + 8 rows, not 32 on three quarters of them) to ~660 / ~690; the attention partitions merged in
+o_proj's programs instead of by the last partition of each kv head to ~620 / ~660 (the sessions' own machines;
+alternating on one H100 in the sixteenth session, 662 / 664 us), the newest token's attention on its own to 636 / 648,
+the launch configs re-swept (twenty-fourth session) from 637 / 622 to 631 / 606 at 1024 tokens in graphs bounded at
+1024 / 2048.
 """
 from __future__ import annotations
 
