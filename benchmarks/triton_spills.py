@@ -109,6 +109,7 @@ def _decoder_layer(phase=-1, long=True, many_keys=False, rows=1):
                   **dict(zip(names, kernel.plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
                   NPROG=128, PHASE=phase, DOT_PREC="tf32", PDL=phase >= 0, TRACE=False,
+                  U_OUTER=decode_layer.gate_up_rows_outer(long, many_keys),
                   NEWEST_APART=phase == 1 and not many_keys, LONG=long and phase in (-1, 1))
     # FMA contraction as DecoderLayerKernel launches each phase: off where attention runs
     options = dict(num_stages=1, enable_fp_fusion=phase not in (-1, 1))

@@ -47,7 +47,7 @@ over every program (16 + 8 rows, not 32 on three quarters of them) to ~660 / ~69
 o_proj's programs instead of by the last partition of each kv head to ~620 / ~660 (the sessions' own machines;
 alternating on one H100 in the sixteenth session, 662 / 664 us), the newest token's attention on its own to 636 / 648,
 the launch configs re-swept (twenty-fourth session) from 637 / 622 to 631 / 606 at 1024 tokens in graphs bounded at
-1024 / 2048.
+1024 / 2048, the GEMV tiles' warps over their rows (thirtieth session, _weight_slice) 580 / 585 to 551 / 561.
 """
 from __future__ import annotations
 
@@ -104,6 +104,11 @@ STEP_BYTES = 32768
 # 619 / 735, 8 593 / 591 / 614 / 757.
 O_COLUMN_GROUPS = 2
 MAX_PROGRAMS = 128
+_WARPS = tl.constexpr(NUM_WARPS)
+# Where Triton lays a program's warps in a tile whose last dimension the lanes fill: over the leading dimensions
+# first up to 3.6 (the GPU machine's), over the ones nearest the last from 3.7 on (ptxas reports of this file's kernels
+# compiled by each; _weight_slice orders its tile's dimensions by it).
+_WARPS_LEAD = tl.constexpr(tuple(int(v) for v in triton.__version__.split(".")[:2]) <= (3, 6))
 # Decode steps of up to this many sequences take the kernel: each program's weight share, requested once, serves
 # every row. Each row's input and sums then stay live beside the held weights, so the projections take 98-128
 # registers at 2 rows (no two phases' programs share an SM, so no phase's weights stream during the one before) and
@@ -146,42 +151,61 @@ def _globaltimer():
 
 
 @triton.jit
+def _tile_columns(v, ROWS_LEAD: tl.constexpr):
+    """A [chunks, CW] tensor of columns broadcast into a slice's tile (_weight_slice's dimension order)."""
+    if ROWS_LEAD:
+        return v[None, None, :, :]
+    else:
+        return v[:, None, None, :]
+
+
+@triton.jit
 def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
-                  PAIRS: tl.constexpr, ROW: tl.constexpr):
-    """Rows row0 ... row0 + RPP - 1 of w [n_rows (x PAIRS), K] (rows ROW elements apart) as [K_PAD / CW, PAIRS, RPP,
-    CW], column chunks of one warp's coalesced width leading: the compiler then lays the warps over the rows and every
-    thread sums its chunks itself, where columns spread over warps cost the GEMV phases a shared-memory reduction and
-    each thread ~16 rows of shuffles (the GEMV phases are bound by their instruction issue). Rows from row_limit on
-    are not loaded (0: none). PAIRS 2: gate rows r and the up rows n_rows + r beside them. bf16 loads as int32 pairs
-    of columns: _gemv_rows widens each half with one integer instruction, where converting the upper half of a pair
-    takes two."""
+                  PAIRS: tl.constexpr, ROW: tl.constexpr, OUTER: tl.constexpr = True):
+    """Rows row0 ... row0 + RPP - 1 of w [n_rows (x PAIRS), K] (rows ROW elements apart), their columns in chunks of
+    one warp's coalesced width (CW), as a tile of [RPP, PAIRS, chunks, CW] or [chunks, PAIRS, RPP, CW]. The order
+    decides where Triton puts the warps (_WARPS_LEAD). With OUTER, a slice of at least a row (or pair) per warp has
+    them over its rows: every thread sums its own chunks, the lanes each row with one shuffle reduction, and gate's
+    and up's rows stay in one thread. On the H100 (benchmarks/results/README.md, thirtieth session) that took qkv's
+    phase from 488 to 352 instructions a thread, gate_up's from 1064 to 624, and the forward at 64 / 1024 / 1500 /
+    4000 tokens from 580 / 585 / 611 / 731 to 551 / 561 / 589 / 708 us. Each thread then holds its lanes' columns
+    of the input for every chunk, so gate_up under its register cap spills (gate_up_rows_outer) and down_proj's
+    8-row slices would not leave registers for qkv's programs beside it: those keep the chunks over the warps,
+    which reduce through shared memory. Rows from row_limit on are not loaded (0: none). PAIRS 2: gate rows r and
+    the up rows n_rows + r beside them. bf16 loads as int32 pairs of columns: _gemv_rows widens each half with one
+    integer instruction, where converting the upper half of a pair takes two."""
+    ROWS_LEAD: tl.constexpr = (OUTER and RPP * PAIRS >= _WARPS) == _WARPS_LEAD
     rows = row0 + tl.arange(0, RPP)
-    r = (tl.arange(0, PAIRS)[:, None] * n_rows + rows[None, :]).to(tl.int64)[None, :, :, None]
-    row_ok = (rows < row_limit)[None, None, :, None]
+    r = (tl.arange(0, PAIRS)[None, :] * n_rows + rows[:, None]).to(tl.int64)
+    row_ok = rows[:, None] < row_limit
+    if ROWS_LEAD:
+        r, row_ok = r[:, :, None, None], row_ok[:, :, None, None]
+    else:
+        r, row_ok = tl.trans(r)[None, :, :, None], tl.trans(row_ok)[None, :, :, None]
     # one warp's coalesced row segment: 16 bytes a thread
     WARP_COLS: tl.constexpr = 4096 // w.dtype.element_ty.primitive_bitwidth
     if w.dtype.element_ty == tl.bfloat16:
         HALF_PAD: tl.constexpr = K_PAD // 2
         CW: tl.constexpr = WARP_COLS // 2 if WARP_COLS // 2 < HALF_PAD else HALF_PAD
-        c = tl.arange(0, HALF_PAD // CW)[:, None, None, None] * CW + tl.arange(0, CW)[None, None, None, :]
+        c = _tile_columns(tl.arange(0, HALF_PAD // CW)[:, None] * CW + tl.arange(0, CW)[None, :], ROWS_LEAD)
         wt = tl.load(w.to(tl.pointer_type(tl.int32), bitcast=True) + r * (ROW // 2) + c, mask=row_ok & (c < K // 2),
                      other=0)
     else:
         CW: tl.constexpr = WARP_COLS if WARP_COLS < K_PAD else K_PAD
-        c = tl.arange(0, K_PAD // CW)[:, None, None, None] * CW + tl.arange(0, CW)[None, None, None, :]
+        c = _tile_columns(tl.arange(0, K_PAD // CW)[:, None] * CW + tl.arange(0, CW)[None, :], ROWS_LEAD)
         wt = tl.load(w + r * ROW + c, mask=row_ok & (c < K), other=0.0)
     return wt
 
 
 @triton.jit
 def _weight_share(w, pid, n_rows, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr, STEPS: tl.constexpr,
-                  RPP2: tl.constexpr, PAIRS: tl.constexpr, ROW: tl.constexpr):
+                  RPP2: tl.constexpr, PAIRS: tl.constexpr, ROW: tl.constexpr, OUTER: tl.constexpr = True):
     """The program's first slice of its share of w's rows (_gemv_plan), and the RPP2-row rest of a one-slice share
     (the first slice again where there is none): both requested at once."""
     row0 = pid * (RPP * STEPS + RPP2)
-    first = _weight_slice(w, row0, n_rows, n_rows, K, K_PAD, RPP, PAIRS, ROW)
+    first = _weight_slice(w, row0, n_rows, n_rows, K, K_PAD, RPP, PAIRS, ROW, OUTER)
     if RPP2 > 0:
-        rest = _weight_slice(w, row0 + RPP, n_rows, n_rows, K, K_PAD, RPP2, PAIRS, ROW)
+        rest = _weight_slice(w, row0 + RPP, n_rows, n_rows, K, K_PAD, RPP2, PAIRS, ROW, OUTER)
     else:
         rest = first
     return first, rest
@@ -189,29 +213,33 @@ def _weight_share(w, pid, n_rows, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.
 
 @triton.jit
 def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr,
-               OUT_STRIDE: tl.constexpr):
-    """out[rows of the slice] = wt x (wt as _weight_slice gives it; out's rows OUT_STRIDE elements apart); PAIRS 2:
-    silu(gate) * up, gate and up rounded as the layers round them."""
-    CH: tl.constexpr = wt.shape[0]
+               OUT_STRIDE: tl.constexpr, OUTER: tl.constexpr = True):
+    """out[rows of the slice] = wt x (wt as _weight_slice gives it, for the same OUTER; out's rows OUT_STRIDE
+    elements apart); PAIRS 2: silu(gate) * up, gate and up rounded as the layers round them."""
+    ROWS_LEAD: tl.constexpr = (OUTER and RPP * PAIRS >= _WARPS) == _WARPS_LEAD
+    CH: tl.constexpr = wt.shape[2] if ROWS_LEAD else wt.shape[0]
     CW: tl.constexpr = wt.shape[3]
     if wt.dtype == tl.int32:  # bf16 pairs: the low half is the even column
         x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), [CH * CW, 2]))
         even = (wt << 16).to(tl.float32, bitcast=True)
         odd = (wt & -65536).to(tl.float32, bitcast=True)
-        prod = (even * tl.reshape(x_even, [CH, CW])[:, None, None, :] +
-                odd * tl.reshape(x_odd, [CH, CW])[:, None, None, :])
+        prod = (even * _tile_columns(tl.reshape(x_even, [CH, CW]), ROWS_LEAD) +
+                odd * _tile_columns(tl.reshape(x_odd, [CH, CW]), ROWS_LEAD))
     else:
-        prod = wt.to(tl.float32) * tl.reshape(x.to(tl.float32), [CH, CW])[:, None, None, :]
-    acc = tl.sum(tl.sum(prod, axis=3), axis=0)
+        prod = wt.to(tl.float32) * _tile_columns(tl.reshape(x.to(tl.float32), [CH, CW]), ROWS_LEAD)
+    if ROWS_LEAD:
+        acc = tl.sum(tl.sum(prod, axis=2), axis=2)  # [RPP, PAIRS]
+    else:
+        acc = tl.trans(tl.sum(tl.sum(prod, axis=3), axis=0))
     rows = row0 + tl.arange(0, RPP)
     ok = rows < n_rows
     if PAIRS == 2:  # rounded as F.linear's output, then as fused.silu_and_mul rounds
-        half = tl.arange(0, PAIRS)[:, None]
-        gate = tl.sum(tl.where(half == 0, acc, 0.0), axis=0).to(out.dtype.element_ty).to(tl.float32)
-        up = tl.sum(tl.where(half == 1, acc, 0.0), axis=0).to(out.dtype.element_ty)
+        half = tl.arange(0, PAIRS)[None, :]
+        gate = tl.sum(tl.where(half == 0, acc, 0.0), axis=1).to(out.dtype.element_ty).to(tl.float32)
+        up = tl.sum(tl.where(half == 1, acc, 0.0), axis=1).to(out.dtype.element_ty)
         val = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
     else:
-        val = tl.sum(acc, axis=0)
+        val = tl.sum(acc, axis=1)
         if HAS_BIAS:
             val += tl.load(bias + rows, mask=ok, other=0.0).to(tl.float32)
     if out.dtype.element_ty == tl.int64:  # a split-K partial, added in fixed point (_FIXED_ONE)
@@ -223,21 +251,22 @@ def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.cons
 @triton.jit
 def _gemv(w, share, pid, n_rows, x, out, bias, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
           STEPS: tl.constexpr, RPP2: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr, ROW: tl.constexpr,
-          OUT_STRIDE: tl.constexpr):
+          OUT_STRIDE: tl.constexpr, OUTER: tl.constexpr = True):
     """out = x W^T on this program's rows, `share` being what _weight_share loaded; with several steps each
     loads the next slice before using the current one."""
     first, rest = share
     row0 = pid * (RPP * STEPS + RPP2)
     if STEPS == 1:
-        _gemv_rows(first, x, row0, n_rows, out, bias, RPP, PAIRS, HAS_BIAS, OUT_STRIDE)
+        _gemv_rows(first, x, row0, n_rows, out, bias, RPP, PAIRS, HAS_BIAS, OUT_STRIDE, OUTER)
         if RPP2 > 0:
-            _gemv_rows(rest, x, row0 + RPP, n_rows, out, bias, RPP2, PAIRS, HAS_BIAS, OUT_STRIDE)
+            _gemv_rows(rest, x, row0 + RPP, n_rows, out, bias, RPP2, PAIRS, HAS_BIAS, OUT_STRIDE, OUTER)
     else:
         wt = first
         for s in range(STEPS):
             r = row0 + s * RPP
-            nxt = _weight_slice(w, r + RPP, n_rows, tl.where(s + 1 < STEPS, n_rows, 0), K, K_PAD, RPP, PAIRS, ROW)
-            _gemv_rows(wt, x, r, n_rows, out, bias, RPP, PAIRS, HAS_BIAS, OUT_STRIDE)
+            nxt = _weight_slice(w, r + RPP, n_rows, tl.where(s + 1 < STEPS, n_rows, 0), K, K_PAD, RPP, PAIRS, ROW,
+                                OUTER)
+            _gemv_rows(wt, x, r, n_rows, out, bias, RPP, PAIRS, HAS_BIAS, OUT_STRIDE, OUTER)
             wt = nxt
 
 
@@ -441,7 +470,7 @@ def _decoder_layer_kernel(
     E_RPP2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr,
     NEWEST_APART: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
     QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
-    PDL: tl.constexpr, TRACE: tl.constexpr,
+    PDL: tl.constexpr, TRACE: tl.constexpr, U_OUTER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if TRACE:
@@ -512,7 +541,7 @@ def _decoder_layer_kernel(
             _gemv(w_o + o_head * O_K + o_cols, share, o_block, o_rows, o, o_sum + r * D, o_sum, OKC, OKC_PAD, O_RPP,
                   O_STEPS, O_RPP2, 1, False, HEADS * HEAD_SIZE, 1)
     if PHASE < 0 or PHASE == 3:
-        share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, D)
+        share = _weight_share(w_gate_up, pid, INTER, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, D, U_OUTER)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + 3 * NPROG)
     if PHASE < 0 or PHASE == 3:
@@ -530,7 +559,7 @@ def _decoder_layer_kernel(
             if pid == 0:
                 tl.store(residual + r * D + cols, h, mask=cols < D)
             _gemv(w_gate_up, share, pid, INTER, x, act + r * INTER, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False,
-                  D, 1)
+                  D, 1, U_OUTER)
     if PHASE < 0 or PHASE == 4:
         share = _weight_share(w_down, pid, D, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2, 1, INTER)
     if PHASE < 0:
@@ -599,6 +628,13 @@ def _plans(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_head
             *_gemv_plan(hidden_size, q_width // num_kv_heads // groups, 1, partitions // groups, itemsize),
             *_gemv_plan(intermediate_size, hidden_size, 2, num_programs, itemsize),
             *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
+
+
+def gate_up_rows_outer(long: bool, many_keys: bool) -> bool:
+    """Whether gate_up's slices lay the warps over their rows (_weight_slice) in launches of this kind: not where
+    a one-row launch caps its registers (GATE_UP_REGISTERS), under which each thread's copy of its columns of the
+    input spills. The kind decides, not the row count, so that a row's sums stay those of its sequence alone."""
+    return not long or many_keys
 
 
 def default_programs(device: torch.device) -> int:
@@ -772,6 +808,7 @@ class DecoderLayerKernel:
             trace = self.barrier if self.trace is None else self.trace[layer, phase]
             grid = (programs[phase] if phase >= 0 else self.num_programs,)
             _decoder_layer_kernel[grid](*args, trace=trace, TRACE=self.trace is not None, PHASE=phase,
+                                        U_OUTER=gate_up_rows_outer(long, many_keys),
                                         LONG=long and phase in (-1, 1), NEWEST_APART=apart and phase == 1,
                                         num_warps=warps, enable_fp_fusion=phase not in (-1, 1), **limits,
                                         **dependent, **consts)
