@@ -19,6 +19,10 @@ from pagedllm.models import fused_decode, load_model  # noqa: E402
 from pagedllm.ops import reference  # noqa: E402
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from pagedllm.ops.triton import decode_layer  # noqa: E402
 
 BLOCK = 16
 MODELS = {
@@ -130,10 +134,25 @@ def test_other_head_shapes(tmp_path, monkeypatch, arch):
     _check_decode_step(tmp_path, monkeypatch, arch, "hnd", torch.float32, 1e-5, (300,))
 
 
+@triton.jit
+def _tile_lead(w, out, ROWS: tl.constexpr):
+    tl.store(out, decode_layer._weight_slice(w, 0, ROWS, ROWS, 256, 256, ROWS, 1, 256).shape[0])
+
+
+@pytest.mark.parametrize("warps_lead", [True, False])
+def test_both_tile_orders(tmp_path, monkeypatch, warps_lead):
+    """The GEMV tiles' dimension order follows where the Triton version puts the warps (decode_layer._WARPS_LEAD);
+    either order computes the same step, so a machine with either version tests both."""
+    monkeypatch.setattr(decode_layer, "_WARPS_LEAD", tl.constexpr(warps_lead))
+    lead = torch.zeros(1, dtype=torch.int32)
+    _tile_lead[(1,)](torch.zeros(16, 256), lead, ROWS=16)  # a row a warp, in two 128-column chunks
+    assert lead.item() == (16 if warps_lead else 2)
+    _check_decode_step(tmp_path, monkeypatch, "qwen3", "hnd", torch.float32, 1e-5, (37,))
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_projections_streamed_in_slices(tmp_path, monkeypatch, arch):
     """Weight shares too large for one slice are streamed a slice at a time (the larger models' path)."""
-    from pagedllm.ops.triton import decode_layer
     monkeypatch.setattr(decode_layer, "SLICE_BYTES", 4096)
     monkeypatch.setattr(decode_layer, "STEP_BYTES", 2048)
     assert decode_layer._gemv_plan(384, 128, 1, 8, 2) == (8, 8, 0)
@@ -144,7 +163,6 @@ def test_the_engine_declines_the_kernel_where_shares_stream(tmp_path, monkeypatc
     """By default, shapes whose weight shares would stream in slices (Llama 3 8B's) keep the layers' path, which
     is faster there; shapes whose shares are requested whole (Qwen3-0.6B's) take the kernel. "triton" takes it
     either way."""
-    from pagedllm.ops.triton import decode_layer
     assert not decode_layer.DecoderLayerKernel.streams_weights(1024, 3072, 16, 8, 128, torch.bfloat16)
     assert decode_layer.DecoderLayerKernel.streams_weights(4096, 14336, 32, 8, 128, torch.bfloat16)
     model = _model(tmp_path, "qwen3", torch.float16)
@@ -158,7 +176,6 @@ def test_the_engine_declines_the_kernel_where_shares_stream(tmp_path, monkeypatc
 def test_shares_split_into_two_power_of_two_slices():
     """A share of rows that is no power of two is a power-of-two slice and a power-of-two rest, so the rows spread
     evenly over the programs (Qwen3-0.6B's gate_up: 24 rows each on 128 programs, not 32 on 96)."""
-    from pagedllm.ops.triton import decode_layer
     for n_rows, plan in ((3072, (16, 1, 8)), (4096, (32, 1, 0)), (384, (2, 1, 1)), (1200, (8, 1, 2))):
         rpp, steps, rpp2 = decode_layer._gemv_plan(n_rows, 1024, 2, 128, 2)
         assert (rpp, steps, rpp2) == plan
@@ -169,7 +186,7 @@ def test_launch_configs_per_kind_of_launch():
     """Each phase's (warps, register cap) by kind of launch, as measured fastest on the H100 at Qwen3-0.6B's shape
     (decode_layer's constants), no caps where the backend takes none, and no cap on o_proj where its merge tiles
     leave no room under it (SmolLM2-135M's shape: 3 query heads a kv head padded to 4, 42 partitions: it spilled)."""
-    from pagedllm.ops.triton import decode_layer as dl
+    dl = decode_layer
     kernel = dl.DecoderLayerKernel(1024, 3072, 16, 8, 128, torch.bfloat16, torch.device("cpu"), num_programs=128)
     proj, gate_up = (dl.NUM_WARPS, dict(maxnreg=dl.PROJECTION_REGISTERS)), dl.GATE_UP_REGISTERS
     plain = (dl.NUM_WARPS, {})
@@ -202,14 +219,12 @@ def test_a_step_of_several_sequences(tmp_path, monkeypatch, arch, layout, dtype,
     """Sequences of different lengths, each with its own pages, in one step of the kernel (every phase runs each
     row with the weights it holds); a CUDA graph's padding row among them writes nothing. Up to 4 rows, past the
     engine's MAX_ROWS (a tuning choice; the kernel takes any number)."""
-    from pagedllm.ops.triton import decode_layer
     monkeypatch.setattr(decode_layer, "MAX_ROWS", 4)
     _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, contexts, bound)
 
 
 def test_more_rows_than_the_kernel_takes_keep_the_layers(tmp_path, monkeypatch):
     """A decode step of more than MAX_ROWS sequences is not the kernel's: the plan declines it."""
-    from pagedllm.ops.triton import decode_layer
     model = _model(tmp_path, "qwen3", torch.float16)
     _bind_caches(model, "hnd", 4, torch.float16)
     monkeypatch.setattr(fused_decode, "fused_kernels", lambda x: _fused())
