@@ -167,8 +167,8 @@ def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constex
     decides where Triton puts the warps (_WARPS_LEAD). With OUTER, a slice of at least a row (or pair) per warp has
     them over its rows: every thread sums its own chunks, the lanes each row with one shuffle reduction, and gate's
     and up's rows stay in one thread. On the H100 (benchmarks/results/README.md, thirtieth session) that took qkv's
-    phase from 488 to 352 instructions a thread, gate_up's from 1064 to 624, and the forward at 64 / 1024 / 1500 /
-    4000 tokens from 580 / 585 / 611 / 731 to 551 / 561 / 589 / 708 us. Each thread then holds its lanes' columns
+    phase from 488 to 352 instructions a thread, uncapped gate_up's from 1024 to 560, and the forward at 64 / 1024 /
+    1500 / 4000 tokens from 580 / 585 / 611 / 731 to 551 / 561 / 589 / 708 us. Each thread then holds its lanes' columns
     of the input for every chunk, so gate_up under its register cap spills (gate_up_rows_outer) and down_proj's
     8-row slices would not leave registers for qkv's programs beside it: those keep the chunks over the warps,
     which reduce through shared memory. Rows from row_limit on are not loaded (0: none). PAIRS 2: gate rows r and
