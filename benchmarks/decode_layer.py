@@ -284,7 +284,6 @@ def main():
               f"{k.partitions} attention partitions per kv head")
 
         def layer(phased):
-            k.begin_step()
             k(0, k.x[:1], w, attn.key_cache, attn.value_cache, attn.scale, decode.cos_sin_cache, pos,
               meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, ctx, phased=phased)
         print(f"layer, one launch:    {graph_time_us(lambda: layer(False)):6.1f} us")

@@ -16,8 +16,10 @@
   the wall period, and from CUDA events around each step's launches the GPU's period, its span and its idle time
   between steps (medians). Separate processes of `bench latency` on one H100 varied by up to 25% at batch 1
   (fourteenth session); the GPU span is the step's own time.
+- ``batch1-kernels``: the same steps under torch.profiler: each step's GPU work in order, the decoder-layer kernel's
+  launches summed into one line, every other kernel and copy with its time and the gap before it.
 
-    python benchmarks/engine_probe.py steps|trace|decode|argmax|gemm-layout|graph-launch|batch1
+    python benchmarks/engine_probe.py steps|trace|decode|argmax|gemm-layout|graph-launch|batch1|batch1-kernels
 """
 import argparse
 import collections
@@ -295,18 +297,23 @@ def probe_graph_launch():
             print(f"bs {bs} bound {bound}: (launch ms, launch+run ms) for replays 1..3: {times}", flush=True)
 
 
-def probe_batch1():
+def _batch1_engine():
+    """An engine with defaults, 30 steps into decoding one 1024-token prompt."""
     import random
-    import statistics
-    llm = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", dtype="bfloat16")
-    eng = llm.engine
-    events = []
-    eng.runner.execute = _timed(eng.runner.execute, lambda *record: events.append(record))
+    eng = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", dtype="bfloat16").engine
     rng = random.Random(0)
     eng.add_request("batch1", [rng.randint(0, 10000) for _ in range(1024)],
                     SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
     for _ in range(30):
         eng.step()
+    return eng
+
+
+def probe_batch1():
+    import statistics
+    eng = _batch1_engine()
+    events = []
+    eng.runner.execute = _timed(eng.runner.execute, lambda *record: events.append(record))
     torch.cuda.synchronize()
     events.clear()
     walls, last = [], time.perf_counter()
@@ -325,8 +332,43 @@ def probe_batch1():
           f"{1e3 * med(h for *_, h in events):.3f} ms (medians)")
 
 
+def probe_batch1_kernels(steps: int = 4):
+    from torch.profiler import ProfilerActivity, profile
+    eng = _batch1_engine()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps + 2):
+            eng.step()
+        torch.cuda.synchronize()
+    path = "/tmp/engine_probe_batch1.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events.sort(key=lambda e: e["ts"])
+    # A step starts with the upload of its inputs (a host-to-device copy); the first and last steps may be cut.
+    starts = [i for i, e in enumerate(events) if "HtoD" in e["name"]]
+    for a, b in list(zip(starts, starts[1:]))[1:steps + 1]:
+        step, end, layer = events[a:b], events[a]["ts"], None
+        print(f"step: {(events[b]['ts'] - events[a]['ts']):.1f} us from upload to the next upload")
+        for e in step:
+            gap, end = e["ts"] - end, max(end, e["ts"] + e["dur"])
+            if "_decoder_layer_kernel" in e["name"]:
+                if layer is None:
+                    layer = [0, 0.0, e["ts"], gap]
+                layer[0] += 1
+                layer[1] += e["dur"]
+                last = e["ts"] + e["dur"]
+                continue
+            if layer is not None:
+                print(f"  {'decoder-layer kernel x' + str(layer[0]):60s} gap {layer[3]:7.1f}  span "
+                      f"{last - layer[2]:8.1f} us (busy {layer[1]:.1f})")
+                layer = None
+            print(f"  {e['name'][:60]:60s} gap {gap:7.1f}  time {e['dur']:8.1f} us")
+
+
 PROBES = {"steps": probe_steps, "trace": probe_trace, "decode": probe_decode, "argmax": probe_argmax,
-          "gemm-layout": probe_gemm_layout, "graph-launch": probe_graph_launch, "batch1": probe_batch1}
+          "gemm-layout": probe_gemm_layout, "graph-launch": probe_graph_launch, "batch1": probe_batch1,
+          "batch1-kernels": probe_batch1_kernels}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -99,7 +99,7 @@ def _decoder_layer(phase=-1, long=True, many_keys=False, rows=1):
                                   "k_cache", "v_cache")}
     types.update({p: "*fp32" for p in ("x_out", "attn_max", "attn_sum", "attn_acc", "attn_new",
                                        "cos_sin_cache")})
-    types.update(o_sum="*i64", barrier="*i32", trace="*i64", positions="*i64", slot_mapping="*i64", seq_lens="*i32",
+    types.update(o_sum="*i64", x_ids="*i64", barrier="*i32", trace="*i64", positions="*i64", slot_mapping="*i64", seq_lens="*i32",
                  block_table="*i32", eps="fp32", qk_eps="fp32", scale="fp32")
     kernel = decode_layer.DecoderLayerKernel(1024, 3072, 16, 8, HEAD, torch.bfloat16, torch.device("cpu"),
                                              num_programs=128)
@@ -109,7 +109,8 @@ def _decoder_layer(phase=-1, long=True, many_keys=False, rows=1):
                   **dict(zip(names, kernel.plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
                   NPROG=128, PHASE=phase, DOT_PREC="tf32", PDL=phase >= 0, TRACE=False,
-                  U_OUTER=decode_layer.gate_up_rows_outer(long, many_keys),
+                  **dict(zip(("U_OUTER", "U_PACKED"), decode_layer.gate_up_tile(long, many_keys, torch.bfloat16))),
+                  FIRST=False, EMBED=False,
                   NEWEST_APART=phase == 1 and not many_keys, LONG=long and phase in (-1, 1))
     # FMA contraction as DecoderLayerKernel launches each phase: off where attention runs
     options = dict(num_stages=1, enable_fp_fusion=phase not in (-1, 1))

@@ -150,6 +150,34 @@ def test_both_tile_orders(tmp_path, monkeypatch, warps_lead):
     _check_decode_step(tmp_path, monkeypatch, "qwen3", "hnd", torch.float32, 1e-5, (37,))
 
 
+@triton.jit
+def _gate_up_rows(w, x, out, ROWS: tl.constexpr, K: tl.constexpr, PACKED: tl.constexpr):
+    # bf16 through int16 pointers: the interpreter loads bf16 tensors wrongly, but bitcasts them right
+    wt = decode_layer._weight_slice(w.to(tl.pointer_type(tl.bfloat16), bitcast=True), 0, ROWS, ROWS, K, K, ROWS, 2, K)
+    xs = tl.load(x + tl.arange(0, K)).to(tl.bfloat16, bitcast=True)
+    decode_layer._gemv_rows(wt, xs, 0, ROWS, out, out, ROWS, 2, False, 1, True, PACKED)
+
+
+@pytest.mark.parametrize("warps_lead", [True, False])
+def test_gate_up_holds_a_bf16_input_as_pairs(monkeypatch, warps_lead):
+    """Where gate_up's registers are capped, its bf16 input is held as pairs of columns (decode_layer.gate_up_tile):
+    the same sums bit for bit as the input widened once, SiLU(gate) * up of the weights' rows."""
+    monkeypatch.setattr(decode_layer, "_WARPS_LEAD", tl.constexpr(warps_lead))
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(32, 512, generator=gen).bfloat16(), torch.randn(512, generator=gen).bfloat16()
+    outs = []
+    for packed in (False, True):
+        outs.append(torch.zeros(16))
+        _gate_up_rows[(1,)](w.view(torch.int16), x.view(torch.int16), outs[-1], ROWS=16, K=512, PACKED=packed)
+    gate, up = (w.float() @ x.float()).split(16)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], gate * torch.sigmoid(gate) * up, rtol=1e-5, atol=1e-3)
+    # where the cap applies (two attention tile sizes, few keys a partition): pairs for bf16, else chunks over warps
+    assert decode_layer.gate_up_tile(True, False, torch.bfloat16) == (True, True)
+    assert decode_layer.gate_up_tile(True, False, torch.float16) == (False, False)
+    assert decode_layer.gate_up_tile(True, True, torch.bfloat16) == (True, False)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_projections_streamed_in_slices(tmp_path, monkeypatch, arch):
     """Weight shares too large for one slice are streamed a slice at a time (the larger models' path)."""

@@ -37,19 +37,20 @@ class FusedDecode:
         self.max_rows = kernel.max_rows
         self.kernel = kernel
         self.cos_sin_cache = model.rotary_emb.cos_sin_cache
+        self.embedding = model.embed_tokens.weight
         self.weights = [_layer_weights(layer) for layer in model.layers]
         self.attns: list[Attention] = [layer.self_attn.attn for layer in model.layers]
 
-    def __call__(self, embedded: torch.Tensor, positions: torch.Tensor):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """(the last layer's output as SplitKSums, residual): what the model's final norm takes."""
         meta = get_forward_context()
         k = self.kernel
-        k.begin_step()
-        x, rows = embedded, embedded.shape[0]
+        x, embedding, rows = input_ids, self.embedding, input_ids.shape[0]
         for i, (w, attn) in enumerate(zip(self.weights, self.attns)):
             k(i, x, w, attn.key_cache, attn.value_cache, attn.scale, self.cos_sin_cache, positions,
-              meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, meta.decode_max_seq_len)
-            x = k.x[:rows]
+              meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, meta.decode_max_seq_len,
+              embedding=embedding)
+            x, embedding = k.x[:rows], None
         return SplitKSums(x[None]), k.residual[:rows]
 
 
@@ -71,11 +72,12 @@ class CudaDecode:
     def __init__(self, model, kernel) -> None:
         self.kernel = kernel
         self.cos_sin_cache = model.rotary_emb.cos_sin_cache
+        self.embed_tokens = model.embed_tokens
 
-    def __call__(self, embedded: torch.Tensor, positions: torch.Tensor):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor):
         meta = get_forward_context()
-        x, residual = self.kernel(embedded, self.cos_sin_cache, positions, meta.slot_mapping, meta.decode_seq_lens,
-                                  meta.decode_block_tables)
+        x, residual = self.kernel(self.embed_tokens(input_ids), self.cos_sin_cache, positions, meta.slot_mapping,
+                                  meta.decode_seq_lens, meta.decode_block_tables)
         return SplitKSums(x.view(1, 1, -1)), residual.view(1, -1)
 
 

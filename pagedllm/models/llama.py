@@ -108,11 +108,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
         decode = fused_decode(self, input_ids)
-        if decode is not None:  # a decode step of one sequence: the decoder-layer kernel
-            hidden, residual = decode(hidden, positions)
+        if decode is not None:  # a decode step of few sequences: the decoder-layer kernel
+            hidden, residual = decode(input_ids, positions)
         else:
+            hidden, residual = self.embed_tokens(input_ids), None
             for layer in self.layers:
                 hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)

@@ -61,7 +61,13 @@ def _restore(model, saved):
 
 def _layers_step(model, monkeypatch, context):
     """A random token and random pages for a step at `context`, the caches before it, and the step through the
-    layers' own path: (token, pages, caches before, logits, caches after)."""
+    layers' own path: (token, pages, caches before, logits, caches after). The caches are refilled first, so that
+    a test does not depend on what earlier ones wrote: that moved the same step at 4000 tokens from 3.5e-2 to 4.1e-2
+    of the largest logit from the layers' (thirty-first session)."""
+    cache_gen = torch.Generator(device="cuda").manual_seed(context)
+    for layer in model.model.layers:
+        layer.self_attn.attn.key_cache.normal_(generator=cache_gen)
+        layer.self_attn.attn.value_cache.normal_(generator=cache_gen)
     gen = torch.Generator().manual_seed(context)
     blocks = model.model.layers[0].self_attn.attn.key_cache.shape[0]
     pages = torch.randperm(blocks, generator=gen)[:-(-context // BLOCK)].cuda()
@@ -181,9 +187,9 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
         m.setattr(decode_layer, "ATTENTION_LONG_WARPS", decode_layer.NUM_WARPS)
         for phased in (True, False):
             _restore(model, start)
-            m.setattr(DecoderLayerKernel, "__call__", lambda self, *a, p=phased: call(self, *a, phased=p))
+            m.setattr(DecoderLayerKernel, "__call__", lambda self, *a, p=phased, **kw: call(self, *a, phased=p, **kw))
             runs[phased] = _decode(model, token, context, pages), _caches(model)
-        for _ in range(10):  # more steps: begin_step restarts the barrier counter each time
+        for _ in range(10):  # more steps: layer 0 restarts the barrier counter each time
             _restore(model, start)
             assert torch.equal(_decode(model, token, context, pages), runs[False][0])
     (phases, phase_caches), (fused, fused_caches) = runs[True], runs[False]
@@ -194,10 +200,13 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
     _restore(model, start)
     default = _decode(model, token, context, pages)  # five launches, attention at its own warps
     # bf16 (8 bits of mantissa): the GEMVs sum in another order than cuBLAS and the split-K GEMM, and each
-    # rounding to bf16 of q/k/v, the attention output and the projections can then land an ulp apart.
+    # rounding to bf16 of q/k/v, the attention output and the projections can then land an ulp apart. Through 28
+    # random layers that drift reached 1.6e-2 / 3.8e-2 / 3.9e-2 / 4.4e-2 at 1 / 100 / 1000 / 4000 tokens of these
+    # caches (Qwen3 shape, thirty-first session), where the code before that session's changes gave the same
+    # logits bit for bit at 1000 and 4000 (the same errors against the layers on the same caches).
     for out in (fused, default):
         err = (out - layers).abs().max() / layers.abs().max()
-        assert err < 4e-2, f"max error {err:.2e} relative to the largest logit"
+        assert err < 5e-2, f"max error {err:.2e} relative to the largest logit"
     for _ in range(10):
         _restore(model, start)
         assert torch.equal(_decode(model, token, context, pages), default)
@@ -318,8 +327,8 @@ def test_batch_one_greedy_is_near_transformers(hf_model_dir, monkeypatch, enforc
         monkeypatch.setattr(DecodeModelKernel, "__call__",
                             lambda self, *a, f=DecodeModelKernel.__call__: calls.append(1) or f(self, *a))
     else:
-        monkeypatch.setattr(DecoderLayerKernel, "begin_step",
-                            lambda self, f=DecoderLayerKernel.begin_step: calls.append(1) or f(self))
+        monkeypatch.setattr(DecoderLayerKernel, "__call__",
+                            lambda self, *a, f=DecoderLayerKernel.__call__, **kw: calls.append(1) or f(self, *a, **kw))
     for prompt in _prompts(model, (7, 1000)):
         [tokens] = ours(path, [prompt], dtype="bfloat16", enforce_eager=enforce_eager)
         _assert_near_transformers(model, prompt, tokens)

@@ -47,7 +47,8 @@ over every program (16 + 8 rows, not 32 on three quarters of them) to ~660 / ~69
 o_proj's programs instead of by the last partition of each kv head to ~620 / ~660 (the sessions' own machines;
 alternating on one H100 in the sixteenth session, 662 / 664 us), the newest token's attention on its own to 636 / 648,
 the launch configs re-swept (twenty-fourth session) from 637 / 622 to 631 / 606 at 1024 tokens in graphs bounded at
-1024 / 2048, the GEMV tiles' warps over their rows (thirtieth session, _weight_slice) 580 / 585 to 551 / 561.
+1024 / 2048, the GEMV tiles' warps over their rows (thirtieth session, _weight_slice) 580 / 585 to 551 / 561, gate_up's
+input held as bf16 pairs (thirty-first session, gate_up_tile) to 547 / 533.
 """
 from __future__ import annotations
 
@@ -169,9 +170,9 @@ def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constex
     and up's rows stay in one thread. On the H100 (benchmarks/results/README.md, thirtieth session) that took qkv's
     phase from 488 to 352 instructions a thread, uncapped gate_up's from 1024 to 560, and the forward at 64 / 1024 /
     1500 / 4000 tokens from 580 / 585 / 611 / 731 to 551 / 561 / 589 / 708 us. Each thread then holds its lanes' columns
-    of the input for every chunk, so gate_up under its register cap spills (gate_up_rows_outer) and down_proj's
-    8-row slices would not leave registers for qkv's programs beside it: those keep the chunks over the warps,
-    which reduce through shared memory. Rows from row_limit on are not loaded (0: none). PAIRS 2: gate rows r and
+    of the input for every chunk, so gate_up holds a bf16 input as pairs (gate_up_tile) and down_proj's 8-row
+    slices would not leave registers for qkv's programs beside it: those keep the chunks over the warps, which
+    reduce through shared memory. Rows from row_limit on are not loaded (0: none). PAIRS 2: gate rows r and
     the up rows n_rows + r beside them. bf16 loads as int32 pairs of columns: _gemv_rows widens each half with one
     integer instruction, where converting the upper half of a pair takes two."""
     ROWS_LEAD: tl.constexpr = (OUTER and RPP * PAIRS >= _WARPS) == _WARPS_LEAD
@@ -213,13 +214,18 @@ def _weight_share(w, pid, n_rows, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.
 
 @triton.jit
 def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr,
-               OUT_STRIDE: tl.constexpr, OUTER: tl.constexpr = True):
+               OUT_STRIDE: tl.constexpr, OUTER: tl.constexpr = True, PACKED: tl.constexpr = False):
     """out[rows of the slice] = wt x (wt as _weight_slice gives it, for the same OUTER; out's rows OUT_STRIDE
     elements apart); PAIRS 2: silu(gate) * up, gate and up rounded as the layers round them."""
     ROWS_LEAD: tl.constexpr = (OUTER and RPP * PAIRS >= _WARPS) == _WARPS_LEAD
     CH: tl.constexpr = wt.shape[2] if ROWS_LEAD else wt.shape[0]
     CW: tl.constexpr = wt.shape[3]
-    if wt.dtype == tl.int32:  # bf16 pairs: the low half is the even column
+    if wt.dtype == tl.int32 and PACKED:  # x (bf16) held as pairs too, each half widened where used (gate_up_tile)
+        x_even, x_odd = tl.split(tl.reshape(x.to(tl.int16, bitcast=True).to(tl.int32), [CH * CW, 2]))
+        xp = _tile_columns(tl.reshape((x_odd << 16) | (x_even & 65535), [CH, CW]), ROWS_LEAD)
+        prod = ((wt << 16).to(tl.float32, bitcast=True) * (xp << 16).to(tl.float32, bitcast=True) +
+                (wt & -65536).to(tl.float32, bitcast=True) * (xp & -65536).to(tl.float32, bitcast=True))
+    elif wt.dtype == tl.int32:  # bf16 pairs: the low half is the even column
         x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), [CH * CW, 2]))
         even = (wt << 16).to(tl.float32, bitcast=True)
         odd = (wt & -65536).to(tl.float32, bitcast=True)
@@ -251,15 +257,15 @@ def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.cons
 @triton.jit
 def _gemv(w, share, pid, n_rows, x, out, bias, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
           STEPS: tl.constexpr, RPP2: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr, ROW: tl.constexpr,
-          OUT_STRIDE: tl.constexpr, OUTER: tl.constexpr = True):
+          OUT_STRIDE: tl.constexpr, OUTER: tl.constexpr = True, PACKED: tl.constexpr = False):
     """out = x W^T on this program's rows, `share` being what _weight_share loaded; with several steps each
     loads the next slice before using the current one."""
     first, rest = share
     row0 = pid * (RPP * STEPS + RPP2)
     if STEPS == 1:
-        _gemv_rows(first, x, row0, n_rows, out, bias, RPP, PAIRS, HAS_BIAS, OUT_STRIDE, OUTER)
+        _gemv_rows(first, x, row0, n_rows, out, bias, RPP, PAIRS, HAS_BIAS, OUT_STRIDE, OUTER, PACKED)
         if RPP2 > 0:
-            _gemv_rows(rest, x, row0 + RPP, n_rows, out, bias, RPP2, PAIRS, HAS_BIAS, OUT_STRIDE, OUTER)
+            _gemv_rows(rest, x, row0 + RPP, n_rows, out, bias, RPP2, PAIRS, HAS_BIAS, OUT_STRIDE, OUTER, PACKED)
     else:
         wt = first
         for s in range(STEPS):
@@ -280,15 +286,17 @@ def _gemv_of(w, share, pid, n_rows, src, out, K: tl.constexpr, K_PAD: tl.constex
 
 
 @triton.jit
-def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr):
+def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr, HAS_RES: tl.constexpr = True):
     """(h = x + res, RMSNorm(h)) of the hidden row, x being float or (o_proj's sum) int64 fixed point, rounded as
-    fused.rms_norm rounds (x first to res's dtype)."""
+    fused.rms_norm rounds (x first to res's dtype); without HAS_RES (the first layer's) h = x."""
     cols = tl.arange(0, D_PAD)
     ok = cols < D
     xs = tl.load(x + cols, mask=ok, other=0)
     if x.dtype.element_ty == tl.int64:
         xs = xs.to(tl.float32) * (1.0 / _FIXED_ONE)
-    h = xs.to(res.dtype.element_ty) + tl.load(res + cols, mask=ok, other=0.0)
+    h = xs.to(res.dtype.element_ty)
+    if HAS_RES:
+        h += tl.load(res + cols, mask=ok, other=0.0)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
     return h, rms_scale(h, tl.load(norm_w + cols, mask=ok, other=0.0), rstd)
@@ -458,7 +466,8 @@ def _merged_heads(kv_head, c0, attn_max, attn_sum, attn_acc, attn_new, v_new, GR
 
 @triton.jit
 def _decoder_layer_kernel(
-    x_in, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_new, o_sum, act, barrier, barrier_base,
+    x_in, x_ids, residual, x_out, res_mid, qkv, attn_max, attn_sum, attn_acc, attn_new, o_sum, act, barrier,
+    barrier_base,
     w_ln, w_qkv, b_qkv, q_norm_w, k_norm_w, w_o, w_post, w_gate_up, w_down, eps, post_eps, qk_eps, scale,
     cos_sin_cache, stride_cs, positions, slot_mapping, seq_lens, block_table, stride_bt,
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, trace,
@@ -468,9 +477,9 @@ def _decoder_layer_kernel(
     A_STEPS: tl.constexpr, A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr,
     U_RPP: tl.constexpr, U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr,
     E_RPP2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr,
-    NEWEST_APART: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr,
+    NEWEST_APART: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, FIRST: tl.constexpr, EMBED: tl.constexpr,
     QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
-    PDL: tl.constexpr, TRACE: tl.constexpr, U_OUTER: tl.constexpr,
+    PDL: tl.constexpr, TRACE: tl.constexpr, U_OUTER: tl.constexpr, U_PACKED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if TRACE:
@@ -489,7 +498,10 @@ def _decoder_layer_kernel(
         if PDL:
             pdl.gdc_wait()
         for r in tl.static_range(ROWS):  # the rows reuse the weights the program holds
-            h, x = _norm_row(x_in + r * D, residual + r * D, w_ln, eps, D, D_PAD)
+            # the first layer's input: its rows of the embedding, gathered here (an embedding kernel and two
+            # zeroing ones before this one cost a batch-1 step 701 -> 696 us on the H100, thirty-first session)
+            row = tl.load(x_ids + r) if EMBED else r
+            h, x = _norm_row(x_in + row * D, residual + r * D, w_ln, eps, D, D_PAD, not FIRST)
             if pid == 0:
                 tl.store(res_mid + r * D + cols, h, mask=cols < D)
                 # read by the previous layer's phase D, which has ended: this layer's phase C adds into it
@@ -559,7 +571,7 @@ def _decoder_layer_kernel(
             if pid == 0:
                 tl.store(residual + r * D + cols, h, mask=cols < D)
             _gemv(w_gate_up, share, pid, INTER, x, act + r * INTER, act, D, D_PAD, U_RPP, U_STEPS, U_RPP2, 2, False,
-                  D, 1, U_OUTER)
+                  D, 1, U_OUTER, U_PACKED)
     if PHASE < 0 or PHASE == 4:
         share = _weight_share(w_down, pid, D, INTER, INTER_PAD, E_RPP, E_STEPS, E_RPP2, 1, INTER)
     if PHASE < 0:
@@ -630,11 +642,18 @@ def _plans(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_head
             *_gemv_plan(hidden_size, intermediate_size, 1, num_programs, itemsize))
 
 
-def gate_up_rows_outer(long: bool, many_keys: bool) -> bool:
-    """Whether gate_up's slices lay the warps over their rows (_weight_slice) in launches of this kind: not where
-    a one-row launch caps its registers (GATE_UP_REGISTERS), under which each thread's copy of its columns of the
-    input spills. The kind decides, not the row count, so that a row's sums stay those of its sequence alone."""
-    return not long or many_keys
+def gate_up_tile(long: bool, many_keys: bool, dtype: torch.dtype) -> tuple[bool, bool]:
+    """(OUTER, PACKED) of gate_up's slices (_weight_slice, _gemv_rows) in launches of this kind. Rows outer, each
+    thread holds its columns of the input for every chunk: as float32 that takes Qwen3-0.6B's phase to 118 registers
+    and spills under the cap of GATE_UP_REGISTERS, as bf16 pairs it fits 72 (597 instructions a thread against the
+    chunks-over-warps tile's 1064 under the cap), leaving room for down_proj's programs beside it. On the H100
+    (benchmarks/results/README.md, thirty-first session) the forward at 64 / 1024 / 1500 / 4000 tokens (graphs
+    bounded at 1024 / 2048 / 2048 / 4096) went from 552 / 559 / 587 / 708 us to 547 / 533 / 557 / 708 with bf16
+    pairs where a partition holds at most 3 BLOCK_N keys; they cost 54 us at 4000, beside attention's 8 warps. Other
+    dtypes keep the chunks over the warps under the cap. The kind decides, not the row count, so that a row's sums
+    stay those of its sequence alone."""
+    packed = not many_keys and dtype == torch.bfloat16
+    return not (long and not many_keys) or packed, packed
 
 
 def default_programs(device: torch.device) -> int:
@@ -743,22 +762,17 @@ class DecoderLayerKernel:
         programs[1] = rows * self.num_kv_heads * (self.partitions + apart)
         return programs
 
-    def begin_step(self) -> None:
-        """Before a step's first layer: the barrier counter restarts (the layers' barriers follow on from each
-        other) and the residual is zero, which makes layer 0's residual add a no-op."""
-        self.barrier.zero_()
-        self.residual.zero_()
-
     def __call__(self, layer: int, x_in: torch.Tensor, w: LayerWeights, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, scale: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int,
-                 phased: bool | None = None) -> None:
-        """Layer `layer` of a decode step of up to max_rows sequences: x_in [rows, hidden] is its input (the
-        embedding for layer 0, else self.x's first rows); leaves its output in the first rows of self.x and
-        self.residual. Reads the rows' positions / slot_mapping / seq_lens entries and block table rows;
-        max_seq_len: a bound on their lengths (a CUDA graph's context bound), which sizes the attention tiles.
-        phased: the five phases as five launches (default unless self.persistent; always for CPU tensors,
-        which the interpreter runs)."""
+                 phased: bool | None = None, embedding: torch.Tensor | None = None) -> None:
+        """Layer `layer` of a decode step of up to max_rows sequences: x_in [rows, hidden] is its input (layer 0's
+        the embedded tokens, the others' self.x's first rows), or where embedding [vocab, hidden] is given, x_in
+        holds the rows' token ids and their rows of it are the input; leaves its output in the first rows of
+        self.x and self.residual. Layer 0 has no residual to add. Reads the rows' positions / slot_mapping /
+        seq_lens entries and block table rows; max_seq_len: a bound on their lengths (a CUDA graph's context
+        bound), which sizes the attention tiles. phased: the five phases as five launches (default unless
+        self.persistent; always for CPU tensors, which the interpreter runs)."""
         layout, block_size, x = _host.cache_layout(key_cache, value_cache)
         block_n = max(BLOCK_N, block_size) if x_in.is_cuda else max(16, block_size)  # CPU: several tiles
         long = triton.cdiv(max_seq_len, self.partitions) > block_n
@@ -779,9 +793,9 @@ class DecoderLayerKernel:
             BLOCK_N=block_n,
             QK_NORM=qk_norm, QKV_BIAS=w.qkv_bias is not None, NPROG=self.num_programs,
             DOT_PREC=_host.dot_precision(self.dtype), num_stages=1)
-        args = (x_in, self.residual, self.x, self.res_mid, self.qkv, self.attn_stats[0], self.attn_stats[1],
-                self.attn_acc, self.attn_new, self.o_sum, self.act, self.barrier,
-                layer * (PHASES - 1) * self.num_programs,
+        args = (x_in if embedding is None else embedding, x_in, self.residual, self.x, self.res_mid, self.qkv,
+                self.attn_stats[0], self.attn_stats[1], self.attn_acc, self.attn_new, self.o_sum, self.act,
+                self.barrier, layer * (PHASES - 1) * self.num_programs,
                 w.input_norm, w.qkv, w.qkv if w.qkv_bias is None else w.qkv_bias,
                 w.q_norm if qk_norm else w.input_norm, w.k_norm if qk_norm else w.input_norm, w.o, w.post_norm,
                 w.gate_up, w.down, w.eps, w.post_eps, w.qk_eps, scale, cos_sin_cache, cos_sin_cache.stride(0),
@@ -789,6 +803,8 @@ class DecoderLayerKernel:
                 *key_cache.stride()[:3],
                 *value_cache.stride()[:3])
         phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
+        if not phased and layer == 0:
+            self.barrier.zero_()  # the layers' grid barriers count on from each other within a step
         if self.trace is not None and not (phased and x_in.is_cuda and rows == 1):
             raise ValueError("decoder-layer kernel: the trace times the five launches of one row on a GPU")
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
@@ -798,6 +814,7 @@ class DecoderLayerKernel:
         configs = self._launch_configs(long, many_keys, x_in.is_cuda and torch.version.hip is None, rows)
         # the newest token's attention items apart, past the partitions' (_attention says where not)
         apart = phased and not many_keys
+        u_outer, u_packed = gate_up_tile(long, many_keys, self.dtype)
         programs = self.launch_programs(rows, apart)
         for phase in range(PHASES) if phased else (-1,):
             warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
@@ -808,7 +825,8 @@ class DecoderLayerKernel:
             trace = self.barrier if self.trace is None else self.trace[layer, phase]
             grid = (programs[phase] if phase >= 0 else self.num_programs,)
             _decoder_layer_kernel[grid](*args, trace=trace, TRACE=self.trace is not None, PHASE=phase,
-                                        U_OUTER=gate_up_rows_outer(long, many_keys),
+                                        U_OUTER=u_outer, U_PACKED=u_packed,
                                         LONG=long and phase in (-1, 1), NEWEST_APART=apart and phase == 1,
+                                        FIRST=layer == 0 and phase < 1, EMBED=embedding is not None and phase < 1,
                                         num_warps=warps, enable_fp_fusion=phase not in (-1, 1), **limits,
                                         **dependent, **consts)
