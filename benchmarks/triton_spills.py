@@ -99,8 +99,8 @@ def _decoder_layer(phase=-1, long=True, many_keys=False, rows=1):
                                   "k_cache", "v_cache")}
     types.update({p: "*fp32" for p in ("x_out", "attn_max", "attn_sum", "attn_acc", "attn_new",
                                        "cos_sin_cache")})
-    types.update(o_sum="*i64", x_ids="*i64", barrier="*i32", trace="*i64", positions="*i64", slot_mapping="*i64", seq_lens="*i32",
-                 block_table="*i32", eps="fp32", qk_eps="fp32", scale="fp32")
+    types.update(o_sum="*i64", x_ids="*i64", barrier="*i32", trace="*i64", positions="*i64", slot_mapping="*i64",
+                 seq_lens="*i32", block_table="*i32", eps="fp32", qk_eps="fp32", scale="fp32")
     kernel = decode_layer.DecoderLayerKernel(1024, 3072, 16, 8, HEAD, torch.bfloat16, torch.device("cpu"),
                                              num_programs=128)
     names = [f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")]
