@@ -294,7 +294,8 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, contexts
     monkeypatch.setattr(DecoderLayerKernel, "__call__",
                         lambda self, *a, f=DecoderLayerKernel.__call__, **kw: calls.append(a[0]) or f(self, *a, **kw))
     # 8 programs (an H100 gets 128): several row tiles per program; attention in 16-key tiles at 37 tokens and in
-    # 32-key ones at 300 (partitions longer than a tile: 64 tokens each with one kv head, the last three empty)
+    # 32-key ones at 300 (partitions longer than a tile: 48 tokens each with one kv head, a tile and a masked
+    # half tile; the last one empty)
     attn = model.model.layers[0].self_attn
     kernel = DecoderLayerKernel(model.config.hidden_size, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                 dtype, torch.device("cpu"), num_programs=8)

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from . import _host, pdl
-from .fused import rms_scale, rotated_heads, store_token_kv
+from .fused import head_halves, rms_scale, rotate_halves, rotated_heads, store_token_kv
 from .paged_tile import LOG2E, attend_kv, attend_range, load_kv_tile
 
 PHASES = 5
@@ -286,9 +286,19 @@ def _gemv_of(w, share, pid, n_rows, src, out, K: tl.constexpr, K_PAD: tl.constex
 
 
 @triton.jit
+def _norm_weight(norm_w, D: tl.constexpr, D_PAD: tl.constexpr):
+    """The norm's weight, loaded by a phase before its wait: loaded in _norm_row, it was requested only after the
+    row's sum of squares (ptxas does not move a load across the reduction's CTA barriers), one more memory round
+    trip in the chain of phases A and D."""
+    cols = tl.arange(0, D_PAD)
+    return tl.load(norm_w + cols, mask=cols < D, other=0.0)
+
+
+@triton.jit
 def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr, HAS_RES: tl.constexpr = True):
     """(h = x + res, RMSNorm(h)) of the hidden row, x being float or (o_proj's sum) int64 fixed point, rounded as
-    fused.rms_norm rounds (x first to res's dtype); without HAS_RES (the first layer's) h = x."""
+    fused.rms_norm rounds (x first to res's dtype); without HAS_RES (the first layer's) h = x. norm_w: the
+    weight's values (_norm_weight)."""
     cols = tl.arange(0, D_PAD)
     ok = cols < D
     xs = tl.load(x + cols, mask=ok, other=0)
@@ -299,7 +309,7 @@ def _norm_row(x, res, norm_w, eps, D: tl.constexpr, D_PAD: tl.constexpr, HAS_RES
         h += tl.load(res + cols, mask=ok, other=0.0)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
-    return h, rms_scale(h, tl.load(norm_w + cols, mask=ok, other=0.0), rstd)
+    return h, rms_scale(h, norm_w, rstd)
 
 
 @triton.jit
@@ -308,11 +318,13 @@ def _attend_partition(kv_head, part, cached, cos, sin, d, qkv, q_norm_w, eps, sc
                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
                       NP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                       LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """The kv head's query rows over partition `part` of the `cached` keys before the newest (whole BLOCK_N-key
-    tiles): the partition's max, sum and unnormalised output."""
+    """The kv head's query rows over partition `part` of the `cached` keys before the newest: the partition's max,
+    sum and unnormalised output. A partition is a whole number of pages, the last of its tiles masked at its end.
+    Rounded up to whole tiles instead, 1100 tokens took 9 of the 16 partitions, 128 keys each, where now 14 take 80
+    (benchmarks/results/README.md, thirty-second session)."""
     GROUP: tl.constexpr = HEADS // KV_HEADS
     HALF: tl.constexpr = HEAD_SIZE // 2
-    part_tokens = tl.cdiv(tl.cdiv(cached, NP), BLOCK_N) * BLOCK_N
+    part_tokens = tl.cdiv(tl.cdiv(cached, NP), BLOCK_SIZE) * BLOCK_SIZE
     start = part * part_tokens
     end = tl.maximum(tl.minimum(start + part_tokens, cached), start)
     # Every key here was cached by an earlier step, and the step's metadata arrived before the graph's first
@@ -322,7 +334,7 @@ def _attend_partition(kv_head, part, cached, cos, sin, d, qkv, q_norm_w, eps, sc
     g = tl.arange(0, GROUP_PAD)
     q_pos = tl.where(g < GROUP, cached, -1)
     no_sparse = tl.zeros([GROUP_PAD], tl.int32)
-    k0, v0, ok0, keep0 = load_kv_tile(start, cached, q_pos, k_cache, v_cache, block_table, kv_head, stride_kb,
+    k0, v0, ok0, keep0 = load_kv_tile(start, end, q_pos, k_cache, v_cache, block_table, kv_head, stride_kb,
                                       stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, no_sparse, 0, 0, 1, 1,
                                       HEAD_SIZE, HEAD_SIZE, BLOCK_SIZE, BLOCK_N, X, LAYOUT, True, False)
     if PDL:
@@ -337,12 +349,12 @@ def _attend_partition(kv_head, part, cached, cos, sin, d, qkv, q_norm_w, eps, sc
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_SIZE], tl.float32)
-    m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k0, v0, ok0, keep0, start, cached, q_pos, no_alibi, qk_scale,
+    m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k0, v0, ok0, keep0, start, end, q_pos, no_alibi, qk_scale,
                               BLOCK_N, 0, True, False, False, DOT_PREC)
     rest = start + BLOCK_N
     rest_end = tl.maximum(end, rest)
     m_i, l_i, acc = attend_range(
-        q, m_i, l_i, acc, rest, rest + (rest_end - rest) // BLOCK_N * BLOCK_N, rest_end, cached, q_pos, no_alibi,
+        q, m_i, l_i, acc, rest, rest + (rest_end - rest) // BLOCK_N * BLOCK_N, rest_end, end, q_pos, no_alibi,
         qk_scale, k_cache, v_cache, block_table, kv_head, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh,
         stride_v2, no_sparse, 0, 0, 1, 1, HEAD_SIZE, HEAD_SIZE, BLOCK_SIZE, BLOCK_N, X, LAYOUT, 0, False, False,
         DOT_PREC)
@@ -362,24 +374,28 @@ def _newest_token(kv_head, cos, sin, d, qkv, q_norm_w, k_norm_w, eps, scale, slo
                   KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   X: tl.constexpr, LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
     """The newest token's k (normed, rotated) and v into the cache, and its scores against the kv head's query
-    heads (log2 units, as attend_tile keeps them) for phase C's merge, which reads its v from qkv."""
+    heads (log2 units, as attend_tile keeps them) for phase C's merge, which reads its v from qkv. Every load is
+    issued before the first reduction: behind the norms' CTA barriers, k's and the weights' loads had made three
+    memory round trips of this item's chain."""
     GROUP: tl.constexpr = HEADS // KV_HEADS
     HALF: tl.constexpr = HEAD_SIZE // 2
     slot = tl.load(slot_mapping)
+    one = tl.zeros([1, 1], tl.int32)
+    qw1, qw2 = head_halves(q_norm_w, one, d, d < HALF, HALF)
+    kw1, kw2 = head_halves(k_norm_w, one, d, d < HALF, HALF)
     if PDL:
         pdl.gdc_wait()
     g = tl.arange(0, GROUP_P2)
     hq = g[:, None]
-    q1, q2 = rotated_heads(qkv + kv_head * GROUP * HEAD_SIZE, q_norm_w, eps, cos, sin, hq, d, hq < GROUP, HALF,
-                           QK_NORM)
+    q1, q2 = head_halves(qkv + kv_head * GROUP * HEAD_SIZE, hq, d, hq < GROUP, HALF)
     k_ptr = qkv + (HEADS + kv_head) * HEAD_SIZE
-    one = tl.zeros([1, 1], tl.int32)
-    k1, k2 = rotated_heads(k_ptr, k_norm_w, eps, cos, sin, one, d, d < HALF, HALF, QK_NORM)
+    k1, k2 = head_halves(k_ptr, one, d, d < HALF, HALF)
+    v1, v2 = head_halves(k_ptr + KV_HEADS * HEAD_SIZE, one, d, d < HALF, HALF)
+    q1, q2 = rotate_halves(q1, q2, qw1, qw2, eps, cos, sin, HALF, QK_NORM)
+    k1, k2 = rotate_halves(k1, k2, kw1, kw2, eps, cos, sin, HALF, QK_NORM)
     if slot >= 0:
-        v_ptr = k_ptr + KV_HEADS * HEAD_SIZE + d
-        store_token_kv(k_cache, v_cache, slot.to(tl.int64), k1, k2, tl.load(v_ptr), tl.load(v_ptr + HALF), kv_head,
-                       d, d < HALF, 1.0, 1.0, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, HALF,
-                       BLOCK_SIZE, X, LAYOUT, 0)
+        store_token_kv(k_cache, v_cache, slot.to(tl.int64), k1, k2, v1, v2, kv_head, d, d < HALF, 1.0, 1.0, stride_kb,
+                       stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, HALF, BLOCK_SIZE, X, LAYOUT, 0)
     s = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)
     tl.store(attn_new + kv_head * GROUP + g, s * (scale * LOG2E), mask=g < GROUP)
 
@@ -497,11 +513,12 @@ def _decoder_layer_kernel(
         share = _weight_share(w_qkv, pid, N_QKV, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, D)
         if PDL:
             pdl.gdc_wait()
+        ln = _norm_weight(w_ln, D, D_PAD)
         for r in tl.static_range(ROWS):  # the rows reuse the weights the program holds
             # the first layer's input: its rows of the embedding, gathered here (an embedding kernel and two
             # zeroing ones before this one cost a batch-1 step 701 -> 696 us on the H100, thirty-first session)
             row = tl.load(x_ids + r) if EMBED else r
-            h, x = _norm_row(x_in + row * D, residual + r * D, w_ln, eps, D, D_PAD, not FIRST)
+            h, x = _norm_row(x_in + row * D, residual + r * D, ln, eps, D, D_PAD, not FIRST)
             if pid == 0:
                 tl.store(res_mid + r * D + cols, h, mask=cols < D)
                 # read by the previous layer's phase D, which has ended: this layer's phase C adds into it
@@ -559,8 +576,9 @@ def _decoder_layer_kernel(
     if PHASE < 0 or PHASE == 3:
         if PDL:
             pdl.gdc_wait()
+        post = _norm_weight(w_post, D, D_PAD)
         for r in tl.static_range(ROWS):
-            h, x = _norm_row(o_sum + r * D, res_mid + r * D, w_post, post_eps, D, D_PAD)
+            h, x = _norm_row(o_sum + r * D, res_mid + r * D, post, post_eps, D, D_PAD)
             if PDL and r == 0:
                 # down_proj's programs start only now: launched with this phase's, their 6 MB of weights streamed
                 # beside gate_up's 13 MB, which its programs request only as o_proj's leave the SMs. On the H100

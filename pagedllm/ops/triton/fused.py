@@ -109,21 +109,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def rotated_heads(x, w, eps, cos, sin, h, d, mask, HALF: tl.constexpr, NORM: tl.constexpr):
-    """The heads h at x (one token, contiguous heads of 2 * HALF) rotated neox style, the first half of each
-    head paired with the second: (first halves, second halves) at channels d and d + HALF. NORM: RMSNorm
-    each head with weight w first."""
+def head_halves(x, h, d, mask, HALF: tl.constexpr):
+    """The heads h at x (one token, contiguous heads of 2 * HALF) as (first halves, second halves) at channels d
+    and d + HALF."""
     ptr = x + h * (2 * HALF) + d
-    x1 = tl.load(ptr, mask=mask, other=0.0)
-    x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+    return tl.load(ptr, mask=mask, other=0.0), tl.load(ptr + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def rotate_halves(x1, x2, w1, w2, eps, cos, sin, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Heads as head_halves gives them rotated neox style, the first half of each head paired with the second.
+    NORM: RMSNorm each head first, with the weight's halves w1, w2."""
     if NORM:
         x1f = x1.to(tl.float32)
         x2f = x2.to(tl.float32)
         sum_sq = tl.sum(x1f * x1f, axis=1, keep_dims=True) + tl.sum(x2f * x2f, axis=1, keep_dims=True)
         rstd = tl.rsqrt(sum_sq / (2 * HALF) + eps)
-        x1 = rms_scale(x1, tl.load(w + d, mask=d < HALF), rstd)
-        x2 = rms_scale(x2, tl.load(w + HALF + d, mask=d < HALF), rstd)
+        x1 = rms_scale(x1, w1, rstd)
+        x2 = rms_scale(x2, w2, rstd)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def rotated_heads(x, w, eps, cos, sin, h, d, mask, HALF: tl.constexpr, NORM: tl.constexpr):
+    """The heads h at x rotated (rotate_halves), with NORM normed by weight w first."""
+    x1, x2 = head_halves(x, h, d, mask, HALF)
+    w1, w2 = x1, x2
+    if NORM:
+        w1, w2 = head_halves(w, 0, d, d < HALF, HALF)
+    return rotate_halves(x1, x2, w1, w2, eps, cos, sin, HALF, NORM)
 
 
 @triton.jit
