@@ -48,7 +48,9 @@ o_proj's programs instead of by the last partition of each kv head to ~620 / ~66
 alternating on one H100 in the sixteenth session, 662 / 664 us), the newest token's attention on its own to 636 / 648,
 the launch configs re-swept (twenty-fourth session) from 637 / 622 to 631 / 606 at 1024 tokens in graphs bounded at
 1024 / 2048, the GEMV tiles' warps over their rows (thirtieth session, _weight_slice) 580 / 585 to 551 / 561, gate_up's
-input held as bf16 pairs (thirty-first session, gate_up_tile) to 547 / 533.
+input held as bf16 pairs (thirty-first session, gate_up_tile) to 547 / 533, the norms' weights requested beside their
+rows and the newest token's loads before its reductions (thirty-second session) to 529 / 515, and at 1100 tokens 551
+-> 538 with partitions of whole pages.
 """
 from __future__ import annotations
 
@@ -287,9 +289,11 @@ def _gemv_of(w, share, pid, n_rows, src, out, K: tl.constexpr, K_PAD: tl.constex
 
 @triton.jit
 def _norm_weight(norm_w, D: tl.constexpr, D_PAD: tl.constexpr):
-    """The norm's weight, loaded by a phase before its wait: loaded in _norm_row, it was requested only after the
-    row's sum of squares (ptxas does not move a load across the reduction's CTA barriers), one more memory round
-    trip in the chain of phases A and D."""
+    """The norm's weight, which a phase loads right after its wait, beside its row: loaded in _norm_row, it was
+    requested only after the row's sum of squares (ptxas does not move a load across the reduction's CTA barriers),
+    one more memory round trip in the chain of phases A and D. Loaded before the wait instead, it made the forward
+    faster still at 64 / 1024 / 4000 tokens but the engine's batch-1 step (1054-1354 tokens) 12 us slower
+    (benchmarks/results/README.md, thirty-second session)."""
     cols = tl.arange(0, D_PAD)
     return tl.load(norm_w + cols, mask=cols < D, other=0.0)
 
@@ -320,8 +324,9 @@ def _attend_partition(kv_head, part, cached, cos, sin, d, qkv, q_norm_w, eps, sc
                       LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """The kv head's query rows over partition `part` of the `cached` keys before the newest: the partition's max,
     sum and unnormalised output. A partition is a whole number of pages, the last of its tiles masked at its end.
-    Rounded up to whole tiles instead, 1100 tokens took 9 of the 16 partitions, 128 keys each, where now 14 take 80
-    (benchmarks/results/README.md, thirty-second session)."""
+    Rounded up to whole tiles, 1100 tokens took 9 of the 16 partitions, 128 keys each, where now 14 take 80: on the
+    H100 (benchmarks/results/README.md, thirty-second session) the forward at 1100 / 1500 / 1800 tokens (graphs
+    bounded at 2048) 548 / 554 / 562 -> 538 / 547 / 552 us, at 4000 (bound 4096; the same partitions) 676 -> 683."""
     GROUP: tl.constexpr = HEADS // KV_HEADS
     HALF: tl.constexpr = HEAD_SIZE // 2
     part_tokens = tl.cdiv(tl.cdiv(cached, NP), BLOCK_SIZE) * BLOCK_SIZE
