@@ -2,6 +2,7 @@
 CLI on the tiny random-weight shape (CPU), HF baseline included."""
 import importlib.util
 import json
+from datetime import datetime
 
 import pytest
 import torch
@@ -72,6 +73,7 @@ def test_throughput_cli_end_to_end_with_hf_baseline(tmp_path, capsys):
           "--hf-num-requests", "3", "--hf-output-len", "5", "--hf-batch-size", "2", "--disable-tqdm",
           "--output", str(out)])
     r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and datetime.fromisoformat(r["date"]).tzinfo is not None
     prompts, outputs = make_workload(6, (5, 40), (2, 12), 512, seed=3)
     ours = r["ours"]
     assert ours["output_tokens"] == sum(outputs) and ours["input_tokens"] == sum(map(len, prompts))
@@ -104,6 +106,7 @@ def test_latency_cli_end_to_end(tmp_path):
     main(["bench", "latency", *TINY_RUN, "--batch-sizes", "1,3", "--context", "20", "--num-steps", "3",
           "--warmup-steps", "1", "--max-num-batched-tokens", "32", "--output", str(out)])
     r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and datetime.fromisoformat(r["date"]).tzinfo is not None
     assert [row["batch_size"] for row in r["results"]] == [1, 3]
     # One sequence prefills in one step; after 1 warm-up step the timed steps read 22, 23, 24 tokens.
     assert r["results"][0]["mean_kv_len"] == 23

@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 
-from pagedllm.bench.roofline import device_name, measure_rates, model_cost_of, si, synchronize
+from pagedllm.bench.roofline import measure_rates, model_cost_of, run_stamp, si, synchronize
 from pagedllm.bench.shapes import model_dir_for
 from pagedllm.sampling_params import SamplingParams
 
@@ -93,7 +93,7 @@ def run_latency(model: str, engine_options: dict, batch_sizes: list[int], contex
                      "mean_kv_len": kv_mean / b, "roofline_ms": 1e3 * roofline,
                      "fraction_of_roofline": roofline / mean})
     return {
-        "device": device_name(engine.config.device), "model": model, "model_dir": model_dir,
+        **run_stamp(engine.config.device), "model": model, "model_dir": model_dir,
         "dtype": str(engine.dtype).removeprefix("torch."), "context": context, "num_steps": num_steps,
         "warmup_steps": warmup_steps,
         "bandwidth": rates.bandwidth, "matmul_flops": rates.matmul_flops, "weight_bytes": cost.weight_bytes,

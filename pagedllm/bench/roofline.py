@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from datetime import datetime, timezone
 from dataclasses import asdict, dataclass
 from typing import Callable, NamedTuple
 
@@ -40,6 +41,11 @@ def synchronize(device: torch.device | str) -> None:
 def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def run_stamp(device: torch.device | str) -> dict:
+    """When (UTC) and on what a benchmark ran: the head of its JSON result."""
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device_name(device)}
 
 
 def best_seconds(fn: Callable[[], object], device: torch.device | str, reps: int) -> float:

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.bench import hf_baseline
 from pagedllm.bench.shapes import model_dir_for
-from pagedllm.bench.roofline import (describe, device_name, estimate_throughput, measure_rates, model_cost_of,
+from pagedllm.bench.roofline import (describe, estimate_throughput, measure_rates, model_cost_of, run_stamp,
                                      synchronize)
 from pagedllm.sampling_params import SamplingParams
 
@@ -125,7 +125,7 @@ def run_throughput(model: str, engine_options: dict, num_requests: int, input_ra
     llm.generate([[0] * 32], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     ours = run_ours(llm, prompts, output_lens, use_tqdm, rates)
     result = {
-        "device": device_name(device), "model": model, "model_dir": model_dir,
+        **run_stamp(device), "model": model, "model_dir": model_dir,
         "dtype": str(dtype).removeprefix("torch."),
         "engine": {k: v for k, v in vars(engine.config).items() if isinstance(v, (int, float, str, type(None)))},
         "workload": {"num_requests": num_requests, "input_len": list(input_range),
