@@ -386,8 +386,10 @@ def _newest_token(kv_head, cos, sin, d, qkv, q_norm_w, k_norm_w, eps, scale, slo
     HALF: tl.constexpr = HEAD_SIZE // 2
     slot = tl.load(slot_mapping)
     one = tl.zeros([1, 1], tl.int32)
-    qw1, qw2 = head_halves(q_norm_w, one, d, d < HALF, HALF)
-    kw1, kw2 = head_halves(k_norm_w, one, d, d < HALF, HALF)
+    qw1, qw2, kw1, kw2 = cos, cos, cos, cos  # without QK_NORM no weights (the pointers are stand-ins)
+    if QK_NORM:
+        qw1, qw2 = head_halves(q_norm_w, one, d, d < HALF, HALF)
+        kw1, kw2 = head_halves(k_norm_w, one, d, d < HALF, HALF)
     if PDL:
         pdl.gdc_wait()
     g = tl.arange(0, GROUP_P2)
