@@ -6,9 +6,10 @@ emits). Spill stores/loads are local-memory traffic, usually inside the hot loop
 that spills runs far below its tile's speed (the XAttention sparse kernel ran at ~60% of its later speed
 until a query tile held in ~50 registers moved to shared memory; benchmarks/results/README.md). The
 register allocation is this machine's Triton's; the GPU machine's Triton may differ, so a clean report here
-is a hint to check on the device, not a guarantee.
+is a hint to check on the device, not a guarantee. --chain reports instead, from the SASS (cuobjdump), the loads
+each kernel issues after its griddepcontrol.wait and how many of them come only after a CTA barrier (chain()).
 
-    python benchmarks/triton_spills.py [--only NAME ...]
+    python benchmarks/triton_spills.py [--only NAME ...] [--chain]
 """
 import argparse
 import inspect
@@ -22,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagedllm.ops.triton import decode, decode_layer, linear, prefill
+from pagedllm.ops.triton import decode, decode_layer, fused, linear, prefill
 from pagedllm.ops.xattention import estimate, sparse_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -120,6 +121,14 @@ def _decoder_layer(phase=-1, long=True, many_keys=False, rows=1):
     return decode_layer._decoder_layer_kernel, types, consts, dict(options, num_warps=warps, **limits)
 
 
+def _rms_norm():
+    """The residual RMSNorm of Qwen3-0.6B's hidden row after a split-K projection (and before the LM head)."""
+    types = dict(x="*fp32", residual="*bf16", weight="*bf16", out="*bf16", residual_out="*bf16", eps="fp32",
+                 stride_x="i32", stride_r="i32", stride_part="i32")
+    consts = dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True, PARTS=1, PDL=True)
+    return fused._rms_norm_kernel, types, consts, dict(num_warps=4, num_stages=1, enable_fp_fusion=False)
+
+
 # name -> kernel spec at its GPU launch config (bf16, head 128, Qwen3-0.6B's 2 query heads per kv head)
 KERNELS = {
     "xattention_sparse": _sparse,
@@ -133,6 +142,7 @@ KERNELS = {
     "decode_split": lambda: _decode(True),
     "split_k_linear_16_rows_gated": lambda: _split_k(16, True),
     "split_k_linear_64_rows": lambda: _split_k(64, False),
+    "rms_norm_residual": _rms_norm,
     "decoder_layer": _decoder_layer,
     # the five launches of a step whose graph is bounded at 2048 tokens (both tile sizes), as the engine runs them
     **{f"decoder_layer_{name}": (lambda p=p: _decoder_layer(p)) for p, name in
@@ -148,8 +158,7 @@ def _ptxas():
     raise RuntimeError("no ptxas found in this Triton installation")
 
 
-def report(name):
-    """(registers, spill store bytes, spill load bytes) of one kernel of KERNELS."""
+def _compile(name):
     fn, types, consts, options = KERNELS[name]()
     params = inspect.signature(fn.fn).parameters
     signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
@@ -157,8 +166,33 @@ def report(name):
     # without that, every load compiles to 2-byte accesses and the register counts mean nothing.
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
                if signature[p].startswith("*") or p.startswith("stride")}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned), target=TARGET,
-                            options=options)
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned), target=TARGET,
+                          options=options)
+
+
+def chain(name):
+    """(instructions, CTA barriers, global loads after the kernel's first griddepcontrol.wait, those of them issued
+    after the first CTA barrier that follows it) of one kernel's SASS, in program order. ptxas does not move a load
+    across a CTA barrier, so a load behind one (say a norm's weight after the row's sum of squares) is a memory round
+    trip that starts only once the reduction has ended: in a phase that runs no loop after its wait, each is one
+    more link of the step's chain (benchmarks/results/README.md, thirty-second session)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(_compile(name).asm["cubin"])
+        sass = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    wait = ops.index("ACQBULK") if "ACQBULK" in ops else 0
+    after = ops[wait:]
+    barrier = next((i for i, op in enumerate(after) if op.startswith("BAR.SYNC")), len(after))
+    loads = [i for i, op in enumerate(after) if op.startswith("LDG")]
+    return len(ops), sum(op.startswith("BAR.SYNC") for op in ops), len(loads), sum(i > barrier for i in loads)
+
+
+def report(name):
+    """(registers, spill store bytes, spill load bytes) of one kernel of KERNELS."""
+    kernel = _compile(name)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
@@ -174,8 +208,14 @@ def report(name):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=sorted(KERNELS), default=list(KERNELS))
+    parser.add_argument("--chain", action="store_true", help="report chain() instead: loads behind CTA barriers")
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_90a, bf16, head {HEAD}")
+    if args.chain:
+        print(f"{'kernel':26} {'instructions':>12} {'barriers':>8} {'loads after wait':>16} {'behind a barrier':>16}")
+        for name in args.only:
+            print(f"{name:26} " + " ".join(f"{v:{w}d}" for v, w in zip(chain(name), (12, 8, 16, 16))), flush=True)
+        return
     print(f"{'kernel':26} {'registers':>9} {'spill stores':>13} {'spill loads':>12}")
     for name in args.only:
         regs, stores, loads = report(name)

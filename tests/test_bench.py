@@ -158,6 +158,24 @@ def test_triton_spills_specs_match_the_kernels():
         assert options["num_warps"] in (1, 2, 4, 8, 16) and options["num_stages"] >= 1
 
 
+def test_decoder_layer_phases_load_nothing_behind_a_barrier():
+    """The decoder-layer kernel's projection phases request everything their chain reads before its first CTA
+    barrier (benchmarks/triton_spills.py --chain: this machine's Triton, sm_90a SASS). A load behind a reduction's
+    barrier is one more memory round trip a layer: the norms' weights were, until the thirty-second session."""
+    import os
+    import subprocess
+    import sys
+    phases = [f"decoder_layer_{p}" for p in ("norm_qkv", "o_proj", "norm_gate_up", "down")]
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "triton_spills.py")
+    # compiled, not interpreted: the test session's Triton runs kernels under the interpreter
+    out = subprocess.run([sys.executable, script, "--chain", "--only", *phases], capture_output=True, text=True,
+                         check=True, env={**os.environ, "TRITON_INTERPRET": "0"}).stdout
+    rows = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out.splitlines()[2:]}
+    assert list(rows) == phases
+    for phase, (_, _, loads, behind) in rows.items():
+        assert loads >= 1 and behind == 0, phase
+
+
 def test_decode_layer_sweep_variants():
     """benchmarks/decode_layer.py --sweep: a variant changes only the phases and launch kinds it names, over the
     kernel's own choice, and a malformed one is refused."""
