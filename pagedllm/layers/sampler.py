@@ -18,7 +18,7 @@ from pagedllm.engine.request import Request
 from pagedllm.layers.norm import fused_kernels
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views
+from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views, zero_copy
 
 # Columns of the per-step parameter table, one row per request.
 _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(7)
@@ -39,8 +39,12 @@ class SamplerOutput:
         # The buffer is taken back only after this output has been read (_read).
         buffer, self._ready = buffers.take(packed_size(specs), release=self._read)
         self._host = packed_views(buffer, specs)
+        transfer = zero_copy(token_ids.device)
         for host, t in zip(self._host, tensors):
-            host.copy_(t, non_blocking=True)
+            if transfer is None:
+                host.copy_(t, non_blocking=True)
+            else:
+                transfer.download(host, t)
         if self._ready is not None:
             self._ready.record(torch.cuda.current_stream(token_ids.device))
 

@@ -2,14 +2,34 @@
 one buffer (one copy instead of one per tensor), and host buffers reused from step to step."""
 from __future__ import annotations
 
+import functools
 import math
+import os
+import warnings
 from collections.abc import Callable, Collection, Sequence
+from types import ModuleType
 
 import torch
 
 ALIGN = 16  # bytes: every packed tensor starts where any dtype's view may start
 
 Spec = tuple[torch.dtype, Sequence[int]]  # a packed tensor's dtype and shape
+ZERO_COPY_ENV_VAR = "PAGEDLLM_ZERO_COPY"  # 0: every transfer a DMA copy (the A/B switch)
+
+
+@functools.lru_cache(maxsize=None)
+def zero_copy(device: torch.device) -> ModuleType | None:
+    """The zero-copy transfer kernels (pagedllm.ops.triton.transfer) for a CUDA device, or None where transfers
+    stay copies: other devices, no Triton, or switched off."""
+    off = os.environ.get(ZERO_COPY_ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no")
+    if device.type != "cuda" or torch.version.hip is not None or off:
+        return None
+    try:
+        from pagedllm.ops.triton import transfer
+    except ImportError as e:
+        warnings.warn(f"zero-copy transfers unavailable ({e}); they stay copies", RuntimeWarning, stacklevel=2)
+        return None
+    return transfer
 
 
 def packed_size(specs: Collection[Spec]) -> int:

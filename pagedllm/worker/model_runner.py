@@ -19,7 +19,7 @@ from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, greedy_tokens
 from pagedllm.ops.xattention import prefill_workspace_bytes
-from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views
+from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views, zero_copy
 from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
@@ -74,17 +74,25 @@ class ModelRunner:
                         self.decode_graphs and self.decode_graphs.context_bounds,
                         self.piecewise_graphs and self.piecewise_graphs.sizes)
         if self.device.type == "cuda":
-            self._load_logits_kernels()
+            self._load_step_kernels()
 
     @torch.inference_mode()
-    def _load_logits_kernels(self) -> None:
+    def _load_step_kernels(self) -> None:
         """cuBLAS picks the LM head's kernel by row count, and CUDA loads a kernel lazily at its first launch,
         synchronising the device: a row count first seen mid-run stalls the pipeline of overlapped steps
-        (~10 ms each time on the H100). So every row count a step can sample runs once here."""
+        (~10 ms each time on the H100). So every row count a step can sample runs once here, and so do the
+        zero-copy transfers (compiled, else, at the first step)."""
         hidden = torch.zeros(self.config.max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype,
                              device=self.device)
         for rows in range(1, self.config.max_num_seqs + 1):
             greedy_tokens(self.model.compute_logits(hidden[:rows]))
+        transfer = self.uploader.transfer
+        if transfer is not None:
+            host = torch.zeros(16, dtype=torch.int64, pin_memory=True)
+            dev = torch.zeros(16, dtype=torch.int64, device=self.device)
+            transfer.upload(host.view(torch.uint8), dev.view(torch.uint8), dev[:4].view(2, 2), 1, dev, dev)
+            transfer.upload(host.view(torch.uint8), dev.view(torch.uint8))
+            transfer.download(host, dev)
         torch.cuda.synchronize(self.device)
 
     def _cache_shapes(self, num_blocks: int):
@@ -210,13 +218,15 @@ class ModelRunner:
         """The step's arrays on the device (one copy), with placeholder input ids filled in from the previous
         step's samples: as new tensors, or in the leading corners of a decode graph's static inputs
         (DecodeGraphs.inputs) for a graph step."""
+        rows = step.placeholders[0]
+        k = len(rows)
         if static is None:
             dev = dict(zip(_UPLOADED, self.uploader(*(getattr(step, name) for name in _UPLOADED))))
         else:
-            self.uploader.into(self.decode_graphs.buffer, static.values(), [getattr(step, name) for name in static])
             dev = static
-        rows = step.placeholders[0]
-        k = len(rows)
+            if self.uploader.into(self.decode_graphs.buffer, static.values(), [getattr(step, name) for name in static],
+                                  (static["placeholders"], k, self._sampled_ids, static["input_ids"])):
+                return dev
         if k:
             dev_rows, dev_sources = dev["placeholders"][:, :k]
             if rows[-1] == k - 1:
@@ -280,6 +290,7 @@ class Uploader:
     def __init__(self, device: torch.device, num_buffers: int = 3) -> None:
         self.device = device
         self.buffers = HostBuffers(device, num_buffers)
+        self.transfer = zero_copy(device)
 
     def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """The arrays as new device tensors (on the CPU, the arrays themselves)."""
@@ -292,10 +303,14 @@ class Uploader:
         self.into(packed, views, arrays)
         return views
 
-    def into(self, buffer: torch.Tensor, views: Iterable[torch.Tensor], arrays: Iterable[np.ndarray]) -> None:
+    def into(self, buffer: torch.Tensor, views: Iterable[torch.Tensor], arrays: Iterable[np.ndarray],
+             placeholders: tuple | None = None) -> bool:
         """Writes each array into the leading corner of its view, a view of the device buffer (uint8) with the
-        array's dtype, in one copy of the buffer's bytes from the first to the last one written: the other bytes
-        in that range (parts of the views past the arrays) may change."""
+        array's dtype, in one transfer of the buffer's bytes from the first to the last one written: the other
+        bytes in that range (parts of the views past the arrays) may change. A few KB go by a zero-copy kernel
+        (buffers.zero_copy), which also fills in the placeholder ids where placeholders = (the placeholders'
+        view, their count, the previous samples, the input ids' view) is given: then it returns True, else the
+        caller gathers them."""
         host, copied = self.buffers.take(buffer.numel())  # laid out as the device buffer
         host_bytes, base, start, end = host.numpy(), buffer.data_ptr(), buffer.numel(), 0
         for view, a in zip(views, arrays):
@@ -304,10 +319,14 @@ class Uploader:
                 np.ndarray(a.shape, a.dtype, host_bytes, offset, strides)[...] = a
                 start = min(start, offset)
                 end = max(end, offset + sum((n - 1) * s for n, s in zip(a.shape, strides)) + a.itemsize)
-        if start < end:
+        kernel = self.transfer is not None and start < end and self.transfer.fits(end - start)
+        if kernel:
+            self.transfer.upload(host[start:end], buffer[start:end], *(placeholders or (None, 0, None, None)))
+        elif start < end:
             buffer[start:end].copy_(host[start:end], non_blocking=True)
         if copied is not None:
             copied.record(torch.cuda.current_stream(self.device))
+        return kernel and placeholders is not None
 
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}

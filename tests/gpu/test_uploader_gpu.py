@@ -1,9 +1,12 @@
 """The model runner's one-copy uploader: arrays of mixed dtypes and shapes (empty ones included) arrive intact,
-and reusing its pinned buffers never lets a later step overwrite an earlier step's data in flight."""
+and reusing its pinned buffers never lets a later step overwrite an earlier step's data in flight; the same for
+the zero-copy kernels that carry small transfers both ways."""
 import numpy as np
 import pytest
 import torch
 
+from pagedllm.layers.sampler import SamplerOutput
+from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views
 from pagedllm.worker.model_runner import Uploader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,3 +35,40 @@ def test_arrays_arrive_intact_through_reused_buffers():
             assert t.device.type == "cuda" and tuple(t.shape) == a.shape
             assert t.dtype == {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}[a.dtype]
             assert np.array_equal(t.cpu().numpy(), a)
+
+
+def test_zero_copy_steps_fill_placeholders_and_read_back_samples():
+    """A decode graph's static inputs written by the zero-copy kernel with the placeholder ids gathered from the
+    previous samples, and those samples read back into pinned buffers by the other kernel, steps queued behind a
+    busy GPU while the host reuses its buffers: every step's inputs and samples arrive as they were."""
+    device = torch.device("cuda")
+    uploader = Uploader(device, num_buffers=2)
+    assert uploader.transfer is not None
+    buffers = HostBuffers(device, 2)
+    rows = 4
+    specs = [(torch.int64, (rows,)), (torch.int64, (2, rows)), (torch.int32, (rows, 16))]
+    static = torch.zeros(packed_size(specs), dtype=torch.uint8, device=device)
+    ids, placeholders, table = packed_views(static, specs)
+    rng = np.random.default_rng(0)
+    sampled = torch.tensor([100, 101, 102, 103], device=device)
+    sampled_host = sampled.cpu().numpy()
+    busy = torch.randn(4096, 4096, device=device)
+    got, want, outs = [], [], []
+    for step in range(10):
+        busy = busy @ busy / 64
+        k = int(rng.integers(0, rows + 1))
+        arrays = [rng.integers(0, 1000, size=rows), np.stack([rng.permutation(rows)[:k], rng.integers(0, 4, k)]),
+                  rng.integers(0, 10**6, size=(rows, 16), dtype=np.int32)]
+        expected_ids = arrays[0].copy()
+        expected_ids[arrays[1][0]] = sampled_host[arrays[1][1]]
+        want.append((expected_ids, arrays[2].copy()))
+        assert uploader.into(static, [ids, placeholders, table], arrays, (placeholders, k, sampled, ids))
+        got.append((ids.clone(), table.clone()))
+        sampled = sampled * 2 + ids  # the step's "samples", computed on the device from its inputs
+        sampled_host = sampled_host * 2 + expected_ids
+        outs.append((SamplerOutput(buffers, sampled.clone()), sampled.clone()))
+    torch.cuda.synchronize()
+    for (ids_want, table_want), (ids_got, table_got) in zip(want, got):
+        assert ids_got.tolist() == ids_want.tolist() and np.array_equal(table_got.cpu().numpy(), table_want)
+    for out, dev_ids in outs:
+        assert out.token_ids == dev_ids.tolist()

@@ -1,0 +1,86 @@
+"""A decode step's small host<->device transfers as kernels that read and write pinned host memory directly
+(zero-copy), instead of DMA copies.
+
+Every engine step uploads its few hundred bytes of inputs and reads back its sampled ids. As copies, those put
+the copy engines in the stream twice a step, and each hand-over between a copy engine and the SMs costs
+microseconds. The pinned buffers are mapped into the device's address space (unified addressing), so a kernel
+reaches them through their own pointers. On the H100 (benchmarks/results/README.md, thirty-third session): a
+104-us CUDA graph with the samples copied back, a 640-byte upload and the placeholder ids' gather took 118.6 us a
+step, with these kernels 110.5; the engine's batch-1 step 0.669-0.671 -> 0.663 ms, batch 2 in `bench latency`
+0.850 -> 0.838 ms. Reads cross the bus at its latency, so only small transfers take these kernels (MAX_WORDS):
+large ones go faster as copies.
+"""
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # 32-bit words a program moves per iteration
+MAX_WORDS = 4 * BLOCK  # larger transfers stay DMA copies
+GATHER = 256  # placeholder ids gathered per iteration
+
+
+@triton.jit
+def _copy_words(src, dst, num_words, BLOCK: tl.constexpr):
+    for start in range(0, num_words, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        tl.store(dst + i, tl.load(src + i, mask=i < num_words), mask=i < num_words)
+
+
+# The counts vary from step to step: specialised on them (1, multiples of 16), a kernel would compile anew mid-run.
+@triton.jit(do_not_specialize=["num_words"])
+def _copy_kernel(src, dst, num_words, BLOCK: tl.constexpr):
+    _copy_words(src, dst, num_words, BLOCK)
+
+
+@triton.jit(do_not_specialize=["num_words", "stride_p", "k"])
+def _upload_kernel(host, dev, num_words, placeholders, stride_p, k, sampled, input_ids, BLOCK: tl.constexpr,
+                   GATHER: tl.constexpr):
+    _copy_words(host, dev, num_words, BLOCK)
+    # The placeholder rows' ids, just written as zeros, are the previous step's samples: gathered once every
+    # thread's copy is visible (the placeholders themselves are among the words copied).
+    tl.debug_barrier()
+    for start in range(0, k, GATHER):
+        j = start + tl.arange(0, GATHER)
+        rows = tl.load(placeholders + j, mask=j < k, other=0)
+        sources = tl.load(placeholders + stride_p + j, mask=j < k, other=0)
+        tl.store(input_ids + rows, tl.load(sampled + sources, mask=j < k), mask=j < k)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """t's bytes as int32 words, or None where t is not contiguous or not a whole number of words."""
+    if not t.is_contiguous() or (t.numel() * t.element_size()) % 4:
+        return None
+    return t.reshape(-1).view(torch.uint8).view(torch.int32)
+
+
+def fits(nbytes: int) -> bool:
+    """Whether a transfer of nbytes goes through these kernels rather than a copy."""
+    return nbytes % 4 == 0 and nbytes <= 4 * MAX_WORDS
+
+
+def upload(host: torch.Tensor, dev: torch.Tensor, placeholders: torch.Tensor | None = None, k: int = 0,
+           sampled: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> None:
+    """dev[:] = host[:] (uint8 of equal size that fits(); host pinned, or both on the CPU under the interpreter),
+    then input_ids[placeholders[0, i]] = sampled[placeholders[1, i]] for i < k: placeholders [2, n] (int64,
+    rows of input_ids) and input_ids lie in dev, the placeholders read after the copy."""
+    if dev.shape != host.shape or not fits(dev.numel()):
+        raise ValueError(f"upload: {host.numel()} bytes into {dev.numel()} (equal, at most {4 * MAX_WORDS}, whole "
+                         "32-bit words)")
+    src, dst = host.view(torch.int32), dev.view(torch.int32)
+    if not k:
+        _copy_kernel[(1,)](src, dst, dst.numel(), BLOCK=BLOCK, num_warps=4)
+        return
+    if sampled is None or placeholders is None or input_ids is None or not 0 < k <= placeholders.shape[1]:
+        raise ValueError(f"upload: {k} placeholder ids need their samples, rows and input ids")
+    _upload_kernel[(1,)](src, dst, dst.numel(), placeholders, placeholders.stride(0), k, sampled, input_ids,
+                         BLOCK=BLOCK, GATHER=GATHER, num_warps=4)
+
+
+def download(host: torch.Tensor, dev: torch.Tensor) -> None:
+    """host.copy_(dev, non_blocking=True), host pinned (or, under the interpreter, on the CPU): by the kernel
+    where both are contiguous alike and fit(), else as that copy."""
+    src, dst = _words(dev), _words(host)
+    if src is None or dst is None or host.shape != dev.shape or host.dtype != dev.dtype or not fits(4 * src.numel()):
+        host.copy_(dev, non_blocking=True)
+        return
+    _copy_kernel[(1,)](src, dst, src.numel(), BLOCK=BLOCK, num_warps=4)
