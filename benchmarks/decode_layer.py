@@ -108,7 +108,8 @@ def triton_phases(model, ids, pos):
     PDL gives them, their weights requested meanwhile). Medians over the middle layers."""
     kernel = model.model._fused_decode["triton"].kernel
     layers, phases = len(model.model.layers), decode_layer.PHASES
-    trace = torch.zeros(layers, phases, max(kernel.launch_programs()), 2, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(layers, phases, max(kernel.launch_programs(partitions=kernel.max_partitions)), 2,
+                        dtype=torch.int64, device="cuda")
     kernel.trace = trace
     try:
         graph_time_us(lambda: model(ids, pos), 1)  # the trace keeps the last replay's times
@@ -281,7 +282,7 @@ def main():
         decode = model.model._fused_decode["triton"]
         k, w, attn = decode.kernel, decode.weights[0], decode.attns[0]
         print(f"plans (rows per slice, slices) qkv/o/gate_up/down {k.plans}, {k.num_programs} programs, "
-              f"{k.partitions} attention partitions per kv head")
+              f"{k.partitions(ctx)} attention partitions per kv head")
 
         def layer(phased):
             k(0, k.x[:1], w, attn.key_cache, attn.value_cache, attn.scale, decode.cos_sin_cache, pos,

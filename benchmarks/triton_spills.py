@@ -106,7 +106,7 @@ def _decoder_layer(phase=-1, long=True, many_keys=False, rows=1):
                                              num_programs=128)
     names = [f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")]
     consts = dict(ROWS=rows, D=1024, D_PAD=1024, INTER=3072, INTER_PAD=4096, HEADS=16, KV_HEADS=8,
-                  HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, O_GROUPS=kernel.o_groups,
+                  HEAD_SIZE=HEAD, GROUP_PAD=16, GROUP_P2=2, NP=16, NP_PAD=16, OPP=16, O_GROUPS=kernel.o_groups,
                   **dict(zip(names, kernel.plans)),
                   BLOCK_SIZE=16, BLOCK_N=decode_layer.BLOCK_N, X=1, LAYOUT=1, QK_NORM=True, QKV_BIAS=False,
                   NPROG=128, PHASE=phase, DOT_PREC="tf32", PDL=phase >= 0, TRACE=False,

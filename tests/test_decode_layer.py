@@ -238,10 +238,24 @@ def test_a_graph_bound_past_the_context(tmp_path, monkeypatch, context):
     _check_decode_step(tmp_path, monkeypatch, "qwen3", "vllm", torch.float32, 1e-5, (context,), bound=1024)
 
 
+@pytest.mark.parametrize("context", [5, 300, 512])
+def test_twice_the_partitions_where_one_a_program_holds_many_keys(tmp_path, monkeypatch, context):
+    """A step bounded where a partition a program would hold more than 3 tiles of keys and twice as many partitions
+    would not (decode_layer.ATTENTION_SPLIT; here 8 programs, one kv head, 16-key tiles: bound 512) splits the keys
+    twice as finely in its five launches, phase C merging every partition of its kv head; the one launch keeps a
+    partition a program."""
+    kernel = decode_layer.DecoderLayerKernel(128, 96, 4, 1, 64, torch.float32, torch.device("cpu"), num_programs=8)
+    assert [kernel.partitions(bound, block_n=16) for bound in (384, 512, 768, 1024)] == [8, 16, 16, 8]
+    assert kernel.partitions(512, phased=False, block_n=16) == 8
+    assert kernel.launch_programs(partitions=16)[1] == 17
+    _check_decode_step(tmp_path, monkeypatch, "qwen3", "hnd", torch.float32, 1e-5, (context,), bound=512)
+
+
 @pytest.mark.parametrize("arch,layout,dtype,rel,contexts,bound", [
     ("qwen3", "vllm", torch.float32, 1e-5, (37, 1), None),
     ("qwen2", "hnd", torch.float16, 2e-2, (300, 20, 129), None),
     ("llama-kv3", "hnd", torch.float32, 1e-5, (130, 0, 300, 5), 1024),
+    ("qwen3", "hnd", torch.float32, 1e-5, (300, 0, 500), 512),  # twice the partitions (ATTENTION_SPLIT)
 ])
 def test_a_step_of_several_sequences(tmp_path, monkeypatch, arch, layout, dtype, rel, contexts, bound):
     """Sequences of different lengths, each with its own pages, in one step of the kernel (every phase runs each

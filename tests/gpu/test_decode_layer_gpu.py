@@ -179,12 +179,13 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
     monkeypatch.setenv(fused_decode.ENV_VAR, "triton")
 
     runs, call = {}, DecoderLayerKernel.__call__
-    # The same arithmetic both ways (attention at the persistent launch's warps) but for FMA contraction: the five
-    # launches contract their projections, the one launch cannot (it holds attention, whose RoPE keeps separate
-    # roundings), so bf16 values can land an ulp apart.
+    # The same arithmetic both ways (attention at the persistent launch's warps and partitions) but for FMA
+    # contraction: the five launches contract their projections, the one launch cannot (it holds attention, whose
+    # RoPE keeps separate roundings), so bf16 values can land an ulp apart.
     with monkeypatch.context() as m:
         m.setattr(decode_layer, "ATTENTION_WARPS", decode_layer.NUM_WARPS)
         m.setattr(decode_layer, "ATTENTION_LONG_WARPS", decode_layer.NUM_WARPS)
+        m.setattr(DecoderLayerKernel, "partitions", lambda self, *a, **kw: self.o_programs)
         for phased in (True, False):
             _restore(model, start)
             m.setattr(DecoderLayerKernel, "__call__", lambda self, *a, p=phased, **kw: call(self, *a, phased=p, **kw))
@@ -198,7 +199,7 @@ def test_one_launch_equals_phases_and_the_layers(model, monkeypatch, context):
     for a, b in zip(fused_caches, phase_caches):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     _restore(model, start)
-    default = _decode(model, token, context, pages)  # five launches, attention at its own warps
+    default = _decode(model, token, context, pages)  # five launches, attention at its own warps and partitions
     # bf16 (8 bits of mantissa): the GEMVs sum in another order than cuBLAS and the split-K GEMM, and each
     # rounding to bf16 of q/k/v, the attention output and the projections can then land an ulp apart. Through 28
     # random layers that drift reached 1.6e-2 / 3.8e-2 / 3.9e-2 / 4.4e-2 at 1 / 100 / 1000 / 4000 tokens of these

@@ -75,6 +75,13 @@ ATTENTION_WARPS = 4
 # little more than one tile (2100 tokens: 760 -> 800; the crossover is near 2700) and 30-50 us in graphs bounded at
 # 2048, which keep 4.
 ATTENTION_LONG_WARPS = 8
+# Attention's partitions a kv head are phase C's programs a kv head, this many times as many where that keeps every
+# partition within 3 BLOCK_N keys and the one-per-program split would not (DecoderLayerKernel.partitions): steps
+# bounded at 3073-6144 tokens at Qwen3-0.6B's 16 programs a kv head, whose launches then keep attention at
+# ATTENTION_WARPS and gate_up under its register cap. On the H100 (benchmarks/results/README.md, thirty-third session)
+# the forward at 2100 / 3000 / 4000 tokens in graphs bounded at 4096 620 / 635 / 687 -> 592 / 610 / 628 us; twice the
+# partitions at every bound cost 40-60 us at 64-1500 tokens (bounds 1024 / 2048), four times 150-190.
+ATTENTION_SPLIT = 2
 # Registers of the attention phase with one tile size (LONG off), whose prefetched tile would take ~200: at 168 the
 # forward at 64 / 1024 tokens took 678 / 698 us against 711 / 721 (benchmarks/results/README.md, thirteenth session).
 # The phase with both sizes needs its ~250 (at 168: 1100 tokens 740 -> 805 us).
@@ -496,10 +503,10 @@ def _decoder_layer_kernel(
     k_cache, v_cache, stride_kb, stride_kh, stride_k2, stride_vb, stride_vh, stride_v2, trace,
     ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, INTER: tl.constexpr, INTER_PAD: tl.constexpr,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, O_GROUPS: tl.constexpr, A_RPP: tl.constexpr,
-    A_STEPS: tl.constexpr, A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr, O_RPP2: tl.constexpr,
-    U_RPP: tl.constexpr, U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr, E_STEPS: tl.constexpr,
-    E_RPP2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr,
+    GROUP_P2: tl.constexpr, NP: tl.constexpr, NP_PAD: tl.constexpr, OPP: tl.constexpr, O_GROUPS: tl.constexpr,
+    A_RPP: tl.constexpr, A_STEPS: tl.constexpr, A_RPP2: tl.constexpr, O_RPP: tl.constexpr, O_STEPS: tl.constexpr,
+    O_RPP2: tl.constexpr, U_RPP: tl.constexpr, U_STEPS: tl.constexpr, U_RPP2: tl.constexpr, E_RPP: tl.constexpr,
+    E_STEPS: tl.constexpr, E_RPP2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LONG: tl.constexpr,
     NEWEST_APART: tl.constexpr, X: tl.constexpr, LAYOUT: tl.constexpr, FIRST: tl.constexpr, EMBED: tl.constexpr,
     QK_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr, TRACE: tl.constexpr, U_OUTER: tl.constexpr, U_PACKED: tl.constexpr,
@@ -534,18 +541,19 @@ def _decoder_layer_kernel(
                   D, 1)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + NPROG)
-    # o_proj is split over the kv heads, as attention is (NP programs a kv head): each program merges some of the
-    # kv head's query-head channels from their partitions itself and sums a block of W_o's rows over those columns, a
-    # split-K partial that it adds into o_sum (_FIXED_ONE). Attention then ends with its partitions' stores, where
-    # the last partition of each kv head used to merge after an arrival counter. On the H100 (benchmarks/results/
-    # README.md, fifteenth session) phase B alone 8.4 -> 6.7 us, C 4.2 -> 4.6, D 7.8 -> 8.2; the forward at 1024 /
-    # 2100 / 3500 tokens 632 / 800 / 857 -> 621 / 740 / 834 us.
-    o_head = tl.minimum(pid // NP, KV_HEADS - 1)
-    o_rows = tl.where(pid < KV_HEADS * NP, D, 0)  # programs past the last kv head's load and store nothing
+    # o_proj is split over the kv heads, as attention is (OPP programs a kv head; its NP partitions are OPP or
+    # ATTENTION_SPLIT times that): each program merges some of the kv head's query-head channels from their
+    # partitions itself and sums a block of W_o's rows over those columns, a split-K partial that it adds into o_sum
+    # (_FIXED_ONE). Attention then ends with its partitions' stores, where the last partition of each kv head used to
+    # merge after an arrival counter. On the H100 (benchmarks/results/README.md, fifteenth session) phase B alone 8.4
+    # -> 6.7 us, C 4.2 -> 4.6, D 7.8 -> 8.2; the forward at 1024 / 2100 / 3500 tokens 632 / 800 / 857 -> 621 / 740 /
+    # 834 us.
+    o_head = tl.minimum(pid // OPP, KV_HEADS - 1)
+    o_rows = tl.where(pid < KV_HEADS * OPP, D, 0)  # programs past the last kv head's load and store nothing
     OKC: tl.constexpr = O_K // O_GROUPS  # a program's columns (O_COLUMN_GROUPS)
     OKC_PAD: tl.constexpr = GROUP_P2 * HEAD_SIZE // O_GROUPS
-    o_cols = pid % NP % O_GROUPS * OKC
-    o_block = pid % NP // O_GROUPS
+    o_cols = pid % OPP % O_GROUPS * OKC
+    o_block = pid % OPP // O_GROUPS
     if PHASE < 0 or PHASE == 2:  # o_proj's weights stream in while attention runs
         share = _weight_share(w_o + o_head * O_K + o_cols, o_block, o_rows, OKC, OKC_PAD, O_RPP, O_STEPS, O_RPP2, 1,
                               HEADS * HEAD_SIZE)
@@ -703,7 +711,8 @@ class DecoderLayerKernel:
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype = dtype
-        self.partitions = max(1, num_programs // num_kv_heads)
+        self.o_programs = max(1, num_programs // num_kv_heads)  # phase C's programs a kv head
+        self.max_partitions = ATTENTION_SPLIT * self.o_programs
         q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
         itemsize = dtype.itemsize
         self.plans = plans = _plans(hidden_size, intermediate_size, num_heads, num_kv_heads, head_size, itemsize,
@@ -711,9 +720,10 @@ class DecoderLayerKernel:
         self.o_groups = _o_groups(num_heads, num_kv_heads, num_programs)
         # Which of qkv, o_proj and gate_up may take the register caps above: whole shares that fit them, o_proj's
         # beside the three [channels, NP_PAD] float tiles of its merge (_merged_heads), which grow with the query
-        # group and the partitions (at Qwen3-0.6B's shape 24 KB of the 80 KB its cap leaves).
+        # group and the partitions (at Qwen3-0.6B's shape, with twice the partitions, 48 KB of the 80 KB its cap
+        # leaves).
         o_pad = triton.next_power_of_2(num_heads // num_kv_heads) * head_size // self.o_groups
-        merge = 3 * o_pad * triton.next_power_of_2(self.partitions) * 4
+        merge = 3 * o_pad * triton.next_power_of_2(self.max_partitions) * 4
         k_pads = [triton.next_power_of_2(hidden_size), o_pad, triton.next_power_of_2(hidden_size)]
         self.capped = [steps == 1 and (rpp + rpp2) * pairs * k_pad * itemsize + held <= (cap - 24) * 4 * NUM_WARPS * 32
                        for (rpp, steps, rpp2), k_pad, pairs, held, cap in
@@ -727,14 +737,15 @@ class DecoderLayerKernel:
         self.residual = buf(rows, hidden_size, dtype=dtype)
         self.res_mid = buf(rows, hidden_size, dtype=dtype)
         self.qkv = buf(rows, q_width + 2 * kv_width, dtype=dtype)
-        self.attn_stats = buf(2, rows, num_heads, self.partitions)
-        self.attn_acc = buf(rows, num_heads, head_size, self.partitions)
+        self.attn_stats = buf(2, rows, num_heads, self.max_partitions)
+        self.attn_acc = buf(rows, num_heads, head_size, self.max_partitions)
         self.attn_new = buf(rows, num_heads)  # the newest token's scores
         self.o_sum = buf(rows, hidden_size, dtype=torch.int64)  # o_proj's output, fixed point (_FIXED_ONE)
         self.act = buf(rows, intermediate_size, dtype=dtype)
         self.barrier = buf(1, dtype=torch.int32)  # the persistent mode's
-        # int64 [layers, PHASES, max(launch_programs()), 2] to receive each program's start and end (GPU
-        # nanoseconds) in each phase's launch, five launches of one row only: benchmarks/decode_layer.py sets it.
+        # int64 [layers, PHASES, programs, 2] to receive each program's start and end (GPU nanoseconds) in each
+        # phase's launch (programs: at least the widest launch's, launch_programs), five launches of one row only:
+        # benchmarks/decode_layer.py sets it.
         self.trace: torch.Tensor | None = None
 
     @staticmethod
@@ -779,12 +790,21 @@ class DecoderLayerKernel:
         return [cap(0, PROJECTION_REGISTERS), attention, cap(1, PROJECTION_REGISTERS),
                 cap(2, GATE_UP_REGISTERS, long and not many_keys), (NUM_WARPS, {})]
 
-    def launch_programs(self, rows: int = 1, apart: bool = True) -> list[int]:
+    def partitions(self, max_seq_len: int, phased: bool = True, block_n: int = BLOCK_N) -> int:
+        """Attention's partitions of a kv head's cached keys in a step bounded at max_seq_len: phase C's programs
+        a kv head (o_programs), ATTENTION_SPLIT times as many in five launches where that takes a partition from
+        more than 3 block_n keys to at most that many (one launch has a program per item)."""
+        many = triton.cdiv(max_seq_len, self.o_programs) > 3 * block_n
+        if phased and many and triton.cdiv(max_seq_len, self.max_partitions) <= 3 * block_n:
+            return self.max_partitions
+        return self.o_programs
+
+    def launch_programs(self, rows: int = 1, apart: bool = True, partitions: int | None = None) -> list[int]:
         """The programs of each of the five launches of a step of `rows` rows (phase B: one per row, kv head and
-        partition, and with the newest token's items apart one per row and kv head); the persistent launch has
-        num_programs."""
+        partition, o_programs partitions unless given, and with the newest token's items apart one per row and kv
+        head); the persistent launch has num_programs."""
         programs = [self.num_programs] * PHASES
-        programs[1] = rows * self.num_kv_heads * (self.partitions + apart)
+        programs[1] = rows * self.num_kv_heads * ((partitions or self.o_programs) + apart)
         return programs
 
     def __call__(self, layer: int, x_in: torch.Tensor, w: LayerWeights, key_cache: torch.Tensor,
@@ -800,7 +820,10 @@ class DecoderLayerKernel:
         self.persistent; always for CPU tensors, which the interpreter runs)."""
         layout, block_size, x = _host.cache_layout(key_cache, value_cache)
         block_n = max(BLOCK_N, block_size) if x_in.is_cuda else max(16, block_size)  # CPU: several tiles
-        long = triton.cdiv(max_seq_len, self.partitions) > block_n
+        phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
+        partitions = self.partitions(max_seq_len, phased, block_n)
+        long = triton.cdiv(max_seq_len, partitions) > block_n
+        many_keys = triton.cdiv(max_seq_len, partitions) > 3 * block_n
         group = self.num_heads // self.num_kv_heads
         qk_norm = w.q_norm is not None
         rows = x_in.shape[0]
@@ -811,8 +834,8 @@ class DecoderLayerKernel:
             INTER=self.intermediate_size, INTER_PAD=triton.next_power_of_2(self.intermediate_size),
             HEADS=self.num_heads, KV_HEADS=self.num_kv_heads,
             HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
-            GROUP_P2=triton.next_power_of_2(group), NP=self.partitions, NP_PAD=triton.next_power_of_2(self.partitions),
-            O_GROUPS=self.o_groups,
+            GROUP_P2=triton.next_power_of_2(group), NP=partitions, NP_PAD=triton.next_power_of_2(partitions),
+            OPP=self.o_programs, O_GROUPS=self.o_groups,
             **dict(zip((f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")), self.plans)),
             BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
             BLOCK_N=block_n,
@@ -827,7 +850,6 @@ class DecoderLayerKernel:
                 positions, slot_mapping, seq_lens, block_table, block_table.stride(0), key_cache, value_cache,
                 *key_cache.stride()[:3],
                 *value_cache.stride()[:3])
-        phased = (not self.persistent or not x_in.is_cuda) if phased is None else phased
         if not phased and layer == 0:
             self.barrier.zero_()  # the layers' grid barriers count on from each other within a step
         if self.trace is not None and not (phased and x_in.is_cuda and rows == 1):
@@ -835,12 +857,14 @@ class DecoderLayerKernel:
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
         # phase frees and request their weights before they wait for its results.
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
-        many_keys = triton.cdiv(max_seq_len, self.partitions) > 3 * block_n
         configs = self._launch_configs(long, many_keys, x_in.is_cuda and torch.version.hip is None, rows)
         # the newest token's attention items apart, past the partitions' (_attention says where not)
         apart = phased and not many_keys
         u_outer, u_packed = gate_up_tile(long, many_keys, self.dtype)
-        programs = self.launch_programs(rows, apart)
+        programs = self.launch_programs(rows, apart, partitions)
+        if self.trace is not None and self.trace.shape[2] < max(programs):
+            raise ValueError(f"decoder-layer kernel: a trace of {self.trace.shape[2]} programs a launch, where "
+                             f"phase B has {programs[1]}")
         for phase in range(PHASES) if phased else (-1,):
             warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
             # LONG only where attention runs (gate_up's register cap follows it and many_keys): the other phases'
