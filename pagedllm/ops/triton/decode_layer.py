@@ -50,7 +50,8 @@ the launch configs re-swept (twenty-fourth session) from 637 / 622 to 631 / 606 
 1024 / 2048, the GEMV tiles' warps over their rows (thirtieth session, _weight_slice) 580 / 585 to 551 / 561, gate_up's
 input held as bf16 pairs (thirty-first session, gate_up_tile) to 547 / 533, the norms' weights requested beside their
 rows and the newest token's loads before its reductions (thirty-second session) to 529 / 515, and at 1100 tokens 551
--> 538 with partitions of whole pages.
+-> 538 with partitions of whole pages, and at 4000 tokens (graphs bounded at 4096) from 687 to 628 with twice the
+partitions (thirty-third session, ATTENTION_SPLIT).
 """
 from __future__ import annotations
 
