@@ -215,7 +215,7 @@ class ModelRunner:
         )
 
     def _upload(self, step: StepInputs, static: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The step's arrays on the device (one copy), with placeholder input ids filled in from the previous
+        """The step's arrays on the device (one transfer), with placeholder input ids filled in from the previous
         step's samples: as new tensors, or in the leading corners of a decode graph's static inputs
         (DecodeGraphs.inputs) for a graph step."""
         rows = step.placeholders[0]
