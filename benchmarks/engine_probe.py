@@ -345,8 +345,9 @@ def probe_batch1_kernels(steps: int = 4):
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     events.sort(key=lambda e: e["ts"])
-    # A step starts with the upload of its inputs (a host-to-device copy); the first and last steps may be cut.
-    starts = [i for i, e in enumerate(events) if "HtoD" in e["name"]]
+    # A step starts with the upload of its inputs: a host-to-device copy, or with zero-copy transfers (every decode
+    # step's token a placeholder) the upload kernel. The first and last steps may be cut.
+    starts = [i for i, e in enumerate(events) if "HtoD" in e["name"] or "_upload_kernel" in e["name"]]
     for a, b in list(zip(starts, starts[1:]))[1:steps + 1]:
         step, end, layer = events[a:b], events[a]["ts"], None
         print(f"step: {(events[b]['ts'] - events[a]['ts']):.1f} us from upload to the next upload")
