@@ -190,8 +190,8 @@ def context_pair(arg: str) -> tuple[int, int]:
 def variant_configs(own, changes):
     """A DecoderLayerKernel._launch_configs that applies `changes` (parse_variant) over `own`'s choice."""
 
-    def configs(self, long, many_keys, nvidia, rows=1):
-        out = own(self, long, many_keys, nvidia, rows)
+    def configs(self, long, many_keys, nvidia, rows=1, split=False):
+        out = own(self, long, many_keys, nvidia, rows, split)
         kind = "many" if many_keys else "two" if long else "one"
         for phase, where, warps, regs in changes:
             if where in (None, kind):

@@ -224,10 +224,12 @@ def test_launch_configs_per_kind_of_launch():
     assert kernel._launch_configs(True, False, True, 2) == [plain, (dl.ATTENTION_WARPS, {}), plain, plain, plain]
     two_sizes = [proj, (dl.ATTENTION_WARPS, {}), proj, (dl.NUM_WARPS, dict(maxnreg=gate_up)), plain]
     assert kernel._launch_configs(True, False, True) == two_sizes
+    # twice the partitions: o_proj's merge tiles double and still leave its share room under the cap
+    assert kernel.split_capped and kernel._launch_configs(True, False, True, 1, True) == two_sizes
     assert kernel._launch_configs(True, True, True) == [proj, (dl.ATTENTION_LONG_WARPS, {}), proj, plain, plain]
     assert all(limits == {} for _, limits in kernel._launch_configs(True, False, False))
     small = dl.DecoderLayerKernel(576, 1536, 9, 3, 64, torch.bfloat16, torch.device("cpu"), num_programs=128)
-    assert small.capped == [True, False, True]
+    assert small.capped == [True, False, True] and not small.split_capped
     assert small._launch_configs(False, False, True)[2] == plain
 
 
@@ -247,8 +249,18 @@ def test_twice_the_partitions_where_one_a_program_holds_many_keys(tmp_path, monk
     kernel = decode_layer.DecoderLayerKernel(128, 96, 4, 1, 64, torch.float32, torch.device("cpu"), num_programs=8)
     assert [kernel.partitions(bound, block_n=16) for bound in (384, 512, 768, 1024)] == [8, 16, 16, 8]
     assert kernel.partitions(512, phased=False, block_n=16) == 8
-    assert kernel.launch_programs(partitions=16)[1] == 17
+    launches, real = [], decode_layer._decoder_layer_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((kw["PHASE"], grid[0], kw["NP"]))
+                real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(decode_layer, "_decoder_layer_kernel", Recorded())
     _check_decode_step(tmp_path, monkeypatch, "qwen3", "hnd", torch.float32, 1e-5, (context,), bound=512)
+    # each layer: attention over 16 partitions and the newest token, merged by phase C's 8 programs
+    assert launches == 2 * [(0, 8, 8), (1, 17, 16), (2, 8, 16), (3, 8, 8), (4, 8, 8)]
 
 
 @pytest.mark.parametrize("arch,layout,dtype,rel,contexts,bound", [

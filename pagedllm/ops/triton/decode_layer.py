@@ -721,15 +721,20 @@ class DecoderLayerKernel:
         self.o_groups = _o_groups(num_heads, num_kv_heads, num_programs)
         # Which of qkv, o_proj and gate_up may take the register caps above: whole shares that fit them, o_proj's
         # beside the three [channels, NP_PAD] float tiles of its merge (_merged_heads), which grow with the query
-        # group and the partitions (at Qwen3-0.6B's shape, with twice the partitions, 48 KB of the 80 KB its cap
-        # leaves).
+        # group and the partitions (at Qwen3-0.6B's shape 24 KB of the 80 KB its cap leaves, with twice the
+        # partitions 48: split_capped).
+        def fits(plan, k_pad, pairs, held, cap):
+            rpp, steps, rpp2 = plan
+            return steps == 1 and (rpp + rpp2) * pairs * k_pad * itemsize + held <= (cap - 24) * 4 * NUM_WARPS * 32
+
         o_pad = triton.next_power_of_2(num_heads // num_kv_heads) * head_size // self.o_groups
-        merge = 3 * o_pad * triton.next_power_of_2(self.max_partitions) * 4
-        k_pads = [triton.next_power_of_2(hidden_size), o_pad, triton.next_power_of_2(hidden_size)]
-        self.capped = [steps == 1 and (rpp + rpp2) * pairs * k_pad * itemsize + held <= (cap - 24) * 4 * NUM_WARPS * 32
-                       for (rpp, steps, rpp2), k_pad, pairs, held, cap in
-                       zip((plans[0:3], plans[3:6], plans[6:9]), k_pads, (1, 1, 2), (0, merge, 0),
-                           (PROJECTION_REGISTERS, PROJECTION_REGISTERS, GATE_UP_REGISTERS))]
+        d_pad = triton.next_power_of_2(hidden_size)
+
+        def o_fits(partitions):
+            return fits(plans[3:6], o_pad, 1, 3 * o_pad * triton.next_power_of_2(partitions) * 4, PROJECTION_REGISTERS)
+        self.capped = [fits(plans[0:3], d_pad, 1, 0, PROJECTION_REGISTERS), o_fits(self.o_programs),
+                       fits(plans[6:9], d_pad, 2, 0, GATE_UP_REGISTERS)]
+        self.split_capped = o_fits(self.max_partitions)
 
         def buf(*shape, dtype=torch.float32):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -777,18 +782,20 @@ class DecoderLayerKernel:
                        num_programs)
         return any(steps > 1 for steps in plans[1::3])
 
-    def _launch_configs(self, long: bool, many_keys: bool, nvidia: bool, rows: int = 1) -> list[tuple[int, dict]]:
+    def _launch_configs(self, long: bool, many_keys: bool, nvidia: bool, rows: int = 1,
+                        split: bool = False) -> list[tuple[int, dict]]:
         """(warps, register cap) of each phase's launch, the fastest measured on the H100 (the constants say where):
         long: attention has both tile sizes; many_keys: a partition may hold more than 3 BLOCK_N keys; nvidia:
-        the backend takes maxnreg. The projections' caps are for one row: with more, each row's input and sums
-        beside the held weights spill under them (Qwen3-0.6B's qkv 300 bytes at 2 rows)."""
+        the backend takes maxnreg; split: attention has max_partitions partitions. The projections' caps are for
+        one row: with more, each row's input and sums beside the held weights spill under them (Qwen3-0.6B's qkv
+        300 bytes at 2 rows)."""
         attention = (ATTENTION_LONG_WARPS if many_keys else ATTENTION_WARPS,
                      dict(maxnreg=ATTENTION_REGISTERS) if nvidia and not long else {})
 
         def cap(projection, registers, where=True):
             capped = nvidia and where and self.capped[projection] and rows == 1
             return (NUM_WARPS, dict(maxnreg=registers) if capped else {})
-        return [cap(0, PROJECTION_REGISTERS), attention, cap(1, PROJECTION_REGISTERS),
+        return [cap(0, PROJECTION_REGISTERS), attention, cap(1, PROJECTION_REGISTERS, not split or self.split_capped),
                 cap(2, GATE_UP_REGISTERS, long and not many_keys), (NUM_WARPS, {})]
 
     def partitions(self, max_seq_len: int, phased: bool = True, block_n: int = BLOCK_N) -> int:
@@ -835,8 +842,7 @@ class DecoderLayerKernel:
             INTER=self.intermediate_size, INTER_PAD=triton.next_power_of_2(self.intermediate_size),
             HEADS=self.num_heads, KV_HEADS=self.num_kv_heads,
             HEAD_SIZE=self.head_size, GROUP_PAD=_host.pow2_at_least(group, 16),
-            GROUP_P2=triton.next_power_of_2(group), NP=partitions, NP_PAD=triton.next_power_of_2(partitions),
-            OPP=self.o_programs, O_GROUPS=self.o_groups,
+            GROUP_P2=triton.next_power_of_2(group), OPP=self.o_programs, O_GROUPS=self.o_groups,
             **dict(zip((f"{p}_{c}" for p in "AOUE" for c in ("RPP", "STEPS", "RPP2")), self.plans)),
             BLOCK_SIZE=block_size, X=x, LAYOUT=layout,
             BLOCK_N=block_n,
@@ -858,7 +864,8 @@ class DecoderLayerKernel:
         # Phases as programmatic dependent launches (pdl.py): each phase's programs start on the SMs the previous
         # phase frees and request their weights before they wait for its results.
         dependent = pdl.options(x_in) if phased else dict(PDL=False)
-        configs = self._launch_configs(long, many_keys, x_in.is_cuda and torch.version.hip is None, rows)
+        configs = self._launch_configs(long, many_keys, x_in.is_cuda and torch.version.hip is None, rows,
+                                       partitions > self.o_programs)
         # the newest token's attention items apart, past the partitions' (_attention says where not)
         apart = phased and not many_keys
         u_outer, u_packed = gate_up_tile(long, many_keys, self.dtype)
@@ -868,13 +875,15 @@ class DecoderLayerKernel:
                              f"phase B has {programs[1]}")
         for phase in range(PHASES) if phased else (-1,):
             warps, limits = configs[phase] if phase >= 0 else (NUM_WARPS, {})
-            # LONG only where attention runs (gate_up's register cap follows it and many_keys): the other phases'
-            # kernels stay one compiled variant. The projection phases contract products and sums into FMAs (they
-            # are bound by their instruction issue); attention keeps RoPE's separate roundings, as the layers' RoPE
-            # kernel has them (fused.py).
+            # LONG and NP only where attention runs and is merged (gate_up's register cap follows LONG and
+            # many_keys): the other phases' kernels stay one compiled variant. The projection phases contract products
+            # and sums into FMAs (they are bound by their instruction issue); attention keeps RoPE's separate
+            # roundings, as the layers' RoPE kernel has them (fused.py).
             trace = self.barrier if self.trace is None else self.trace[layer, phase]
             grid = (programs[phase] if phase >= 0 else self.num_programs,)
+            np_ = partitions if phase in (-1, 1, 2) else self.o_programs
             _decoder_layer_kernel[grid](*args, trace=trace, TRACE=self.trace is not None, PHASE=phase,
+                                        NP=np_, NP_PAD=triton.next_power_of_2(np_),
                                         U_OUTER=u_outer, U_PACKED=u_packed,
                                         LONG=long and phase in (-1, 1), NEWEST_APART=apart and phase == 1,
                                         FIRST=layer == 0 and phase < 1, EMBED=embedding is not None and phase < 1,

@@ -32,18 +32,18 @@ def _copy_kernel(src, dst, num_words, BLOCK: tl.constexpr):
     _copy_words(src, dst, num_words, BLOCK)
 
 
-@triton.jit(do_not_specialize=["num_words", "stride_p", "k"])
-def _upload_kernel(host, dev, num_words, placeholders, stride_p, k, sampled, input_ids, BLOCK: tl.constexpr,
-                   GATHER: tl.constexpr):
+@triton.jit(do_not_specialize=["num_words", "stride_p0", "stride_p1", "k", "stride_s", "stride_i"])
+def _upload_kernel(host, dev, num_words, placeholders, stride_p0, stride_p1, k, sampled, stride_s, input_ids,
+                   stride_i, BLOCK: tl.constexpr, GATHER: tl.constexpr):
     _copy_words(host, dev, num_words, BLOCK)
     # The placeholder rows' ids, just written as zeros, are the previous step's samples: gathered once every
     # thread's copy is visible (the placeholders themselves are among the words copied).
     tl.debug_barrier()
     for start in range(0, k, GATHER):
         j = start + tl.arange(0, GATHER)
-        rows = tl.load(placeholders + j, mask=j < k, other=0)
-        sources = tl.load(placeholders + stride_p + j, mask=j < k, other=0)
-        tl.store(input_ids + rows, tl.load(sampled + sources, mask=j < k), mask=j < k)
+        rows = tl.load(placeholders + j * stride_p1, mask=j < k, other=0)
+        sources = tl.load(placeholders + stride_p0 + j * stride_p1, mask=j < k, other=0)
+        tl.store(input_ids + rows * stride_i, tl.load(sampled + sources * stride_s, mask=j < k), mask=j < k)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
@@ -62,7 +62,7 @@ def upload(host: torch.Tensor, dev: torch.Tensor, placeholders: torch.Tensor | N
            sampled: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> None:
     """dev[:] = host[:] (uint8 of equal size that fits(); host pinned, or both on the CPU under the interpreter),
     then input_ids[placeholders[0, i]] = sampled[placeholders[1, i]] for i < k: placeholders [2, n] (int64,
-    rows of input_ids) and input_ids lie in dev, the placeholders read after the copy."""
+    rows of input_ids) and input_ids [rows] lie in dev, the placeholders read after the copy; sampled [n]."""
     if dev.shape != host.shape or not fits(dev.numel()):
         raise ValueError(f"upload: {host.numel()} bytes into {dev.numel()} (equal, at most {4 * MAX_WORDS}, whole "
                          "32-bit words)")
@@ -70,10 +70,11 @@ def upload(host: torch.Tensor, dev: torch.Tensor, placeholders: torch.Tensor | N
     if not k:
         _copy_kernel[(1,)](src, dst, dst.numel(), BLOCK=BLOCK, num_warps=4)
         return
-    if sampled is None or placeholders is None or input_ids is None or not 0 < k <= placeholders.shape[1]:
-        raise ValueError(f"upload: {k} placeholder ids need their samples, rows and input ids")
-    _upload_kernel[(1,)](src, dst, dst.numel(), placeholders, placeholders.stride(0), k, sampled, input_ids,
-                         BLOCK=BLOCK, GATHER=GATHER, num_warps=4)
+    if (sampled is None or placeholders is None or input_ids is None or placeholders.dim() != 2
+            or not 0 < k <= placeholders.shape[1] or sampled.dim() != 1 or input_ids.dim() != 1):
+        raise ValueError(f"upload: {k} placeholder ids need their samples [n], rows [2, >= {k}] and input ids [rows]")
+    _upload_kernel[(1,)](src, dst, dst.numel(), placeholders, *placeholders.stride(), k, sampled, sampled.stride(0),
+                         input_ids, input_ids.stride(0), BLOCK=BLOCK, GATHER=GATHER, num_warps=4)
 
 
 def download(host: torch.Tensor, dev: torch.Tensor) -> None:
