@@ -321,6 +321,12 @@ def test_argmax_takes_the_first_of_equal_maxima(dtype, rows, vocab):
     out = torch.full((rows + 1,), -1)
     _fused().argmax(x, out[:rows])
     assert torch.equal(out[:rows], x.argmax(dim=-1)) and out[rows] == -1
+    # also into the host ring's row that a tensor names (a decode graph's argmax, DecodeGraphs' SAMPLE_SLOTS)
+    ring = torch.full((3, rows + 1), -1)
+    _fused().argmax(x, out[:rows], ring, torch.tensor([1]))
+    assert torch.equal(ring[1, :rows], x.argmax(dim=-1)) and (ring[1, rows:] == -1).all() and (ring[0::2] == -1).all()
+    with pytest.raises(ValueError, match="host"):
+        _fused().argmax(x, out[:rows], ring)
 
 
 def test_cpu_tensors_never_import_triton():

@@ -151,7 +151,8 @@ def test_upload_sends_the_arrays_and_fills_placeholders(graph_step, placeholders
     runner._sampled_ids = torch.tensor([10, 11, 12, 13])
     empty = np.zeros(0, dtype=np.int32)
     step = StepInputs(
-        input_ids=np.array([5, 0, 0, 7]), placeholders=np.array(placeholders, dtype=np.int64).reshape(2, -1),
+        input_ids=np.array([5, 0, 0, 7]), sample_slot=np.array([2]),
+        placeholders=np.array(placeholders, dtype=np.int64).reshape(2, -1),
         positions=np.array([3, 9, 17, 2]), slot_mapping=np.array([3, 25, 49, -1]), num_decodes=4,
         decode_block_tables=np.array([[0, 0], [1, 0], [2, 3], [4, 5]], dtype=np.int32),
         decode_seq_lens=np.array([4, 10, 18, 0], dtype=np.int32), prefill_block_tables=np.zeros((0, 0), np.int32),
@@ -162,7 +163,7 @@ def test_upload_sends_the_arrays_and_fills_placeholders(graph_step, placeholders
     with torch.inference_mode():
         dev = runner._upload(step, runner.decode_graphs.inputs[4] if graph_step else None)
     for name in ("positions", "slot_mapping", "placeholders", "logits_indices", "decode_seq_lens",
-                 "decode_block_tables"):
+                 "decode_block_tables") + (("sample_slot",) if graph_step else ()):
         want = getattr(step, name)
         assert dev[name][tuple(slice(0, n) for n in want.shape)].tolist() == want.tolist()
     assert dev["input_ids"].tolist() == expected.tolist()

@@ -18,7 +18,7 @@ from pagedllm.engine.request import Request
 from pagedllm.layers.norm import fused_kernels
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views, zero_copy
+from pagedllm.worker.buffers import HostBuffers, HostRing, packed_size, packed_views, zero_copy
 
 # Columns of the per-step parameter table, one row per request.
 _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(7)
@@ -27,13 +27,21 @@ _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range
 class SamplerOutput:
     """One step's sampled ids (and requested logprobs), computed on the device. They are copied into a host
     buffer as soon as the sampler has queued them, so reading token_ids waits for this step's work only, not for
-    work queued after it (the next step, when steps overlap)."""
+    work queued after it (the next step, when steps overlap). ring_slot: (ring, slot) where the queued work
+    already writes the ids into that row of a HostRing (a decode graph's argmax), so no copy is queued."""
 
     def __init__(self, buffers: HostBuffers, token_ids: torch.Tensor, logprob_rows: list[int] = (),
-                 num_top: list[int] = (), logprob_tensors: tuple[torch.Tensor, ...] = ()) -> None:
+                 num_top: list[int] = (), logprob_tensors: tuple[torch.Tensor, ...] = (),
+                 ring_slot: tuple[HostRing, int] | None = None) -> None:
         self.device_token_ids = token_ids
         self._logprob_rows, self._num_top = logprob_rows, num_top
         self._lists: tuple[list[int], list[dict[int, float] | None]] | None = None
+        if ring_slot is not None and not logprob_tensors:
+            ring, slot = ring_slot
+            self._host, self._ready = [ring.rows[slot, :token_ids.shape[0]]], ring.events[slot]
+            ring.readers[slot] = self._read
+            self._ready.record(torch.cuda.current_stream(token_ids.device))
+            return
         tensors = (token_ids, *logprob_tensors)
         specs = [(t.dtype, t.shape) for t in tensors]
         # The buffer is taken back only after this output has been read (_read).
@@ -143,10 +151,11 @@ class Sampler:
         return list(self._to_device(torch.from_numpy(flat)).split([len(x) for x in parts]))
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 greedy: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor | None = None,
+                 greedy_host: tuple[HostRing, int] | None = None) -> SamplerOutput:
         """Samples one token per row of logits [len(requests), vocab]; may modify logits in place. greedy: the
-        rows' argmax where a decode graph has computed it (DecodeGraphs.run), taken for a plain greedy step."""
+        rows' argmax where a decode graph has computed it (DecodeGraphs.run), taken for a plain greedy step;
+        greedy_host: the HostRing slot the graph also writes it into (SamplerOutput's ring_slot)."""
         params = [r.sampling_params for r in requests]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
@@ -158,7 +167,9 @@ class Sampler:
                            if r.num_output_tokens + r.num_placeholders <= r.sampling_params.min_tokens]
         if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows or biased):
             # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
-            return SamplerOutput(self.host_buffers, greedy_tokens(logits) if greedy is None else greedy)
+            if greedy is None:
+                return SamplerOutput(self.host_buffers, greedy_tokens(logits))
+            return SamplerOutput(self.host_buffers, greedy, ring_slot=greedy_host)
 
         logits = logits.float()
         batch, vocab = logits.shape

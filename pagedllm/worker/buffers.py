@@ -78,3 +78,23 @@ class HostBuffers:
             slot = self.slots[i] = (torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda),
                                     torch.cuda.Event() if self.cuda else None)
         return slot
+
+
+class HostRing:
+    """The rows of one pinned int64 tensor, handed out round-robin, each with an event: kernels write a row chosen
+    at run time (a decode graph's argmax writes each replay's sampled ids into the slot its step uploaded), so
+    the host reads them without a copy of its own. A slot is handed out again only once the reader of what was
+    last written there has returned (HostBuffers' release)."""
+
+    def __init__(self, slots: int, width: int) -> None:
+        self.rows = torch.zeros(slots, width, dtype=torch.int64, pin_memory=True)
+        self.events = [torch.cuda.Event() for _ in range(slots)]
+        self.readers: list[Callable[[], object] | None] = [None] * slots
+        self.next = 0
+
+    def take(self) -> int:
+        i, self.next = self.next, (self.next + 1) % len(self.readers)
+        reader, self.readers[i] = self.readers[i], None
+        if reader is not None:
+            reader()
+        return i

@@ -22,8 +22,9 @@ import math
 import torch
 
 from pagedllm.layers.attention import Attention, AttentionMetadata, set_forward_context
+from pagedllm.layers.norm import fused_kernels
 from pagedllm.layers.sampler import greedy_tokens
-from pagedllm.worker.buffers import packed_size, packed_views
+from pagedllm.worker.buffers import HostRing, packed_size, packed_views, zero_copy
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Token counts of the piecewise graphs: doubling while a step is small enough that padding costs little, then
@@ -44,6 +45,10 @@ MIN_CONTEXT_BOUND = 512
 # which made the batch-1 step host-bound: 0.76-0.84 ms a step against 0.71-0.72 ms of GPU work (benchmarks/
 # results/README.md, twenty-seventh session). Larger batches' steps take milliseconds of GPU work.
 HEAD_MAX_BATCH = 32
+# With zero-copy transfers (buffers.zero_copy) the argmax also writes the ids into one of this many pinned rows
+# (HostRing), the one the step uploaded: the host reads them there, without a copy kernel after the graph. The engine
+# reads a step's samples one step later, so two would do; a third is a margin.
+SAMPLE_SLOTS = 3
 
 
 class _Ladder:
@@ -76,9 +81,11 @@ class DecodeGraphs(_Ladder):
         # (batch size, context bound) -> graph and its output
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        # the head's logits and greedy ids of the graphs of up to HEAD_MAX_BATCH rows (allocated at capture)
+        # the head's logits and greedy ids of the graphs of up to HEAD_MAX_BATCH rows (allocated at capture), and
+        # where the Triton argmax also writes the ids on the host
         self.logits: torch.Tensor | None = None
         self.greedy: torch.Tensor | None = None
+        self.greedy_host: HostRing | None = None
 
     def bounds_of(self, bs: int) -> list[int]:
         return self.context_bounds if bs <= SPLIT_MAX_BATCH else [self.max_model_len]
@@ -129,8 +136,22 @@ class DecodeGraphs(_Ladder):
                 rows = max(s for s in self.sizes if s <= HEAD_MAX_BATCH)
                 self.logits = torch.empty(rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
                 self.greedy = torch.empty(rows, dtype=torch.int64, device=logits.device)
-            greedy_tokens(self.model.compute_logits(hidden, self.logits[:bs]), self.greedy[:bs])
+                if fused_kernels(logits) is not None and zero_copy(logits.device) is not None:
+                    self.greedy_host = HostRing(SAMPLE_SLOTS, rows)
+            logits = self.model.compute_logits(hidden, self.logits[:bs])
+            if self.greedy_host is None:
+                greedy_tokens(logits, self.greedy[:bs])
+            else:
+                fused_kernels(logits).argmax(logits, self.greedy[:bs], self.greedy_host.rows,
+                                             inputs["sample_slot"])
         return hidden
+
+    def take_sample_slot(self, bs: int) -> tuple[HostRing, int] | None:
+        """The HostRing slot a step of the graphs of bs rows is to upload as its sample_slot, where their argmax
+        writes the ids on the host too (SamplerOutput's ring_slot)."""
+        if self.greedy_host is None or not self.has_head(bs):
+            return None
+        return self.greedy_host, self.greedy_host.take()
 
     def has_head(self, bs: int) -> bool:
         """Whether the graphs of bs rows compute the logits and greedy ids (HEAD_MAX_BATCH)."""
@@ -155,18 +176,19 @@ def _powers_of_two(low: int, high: int) -> list[int]:
 
 
 def _input_specs(bs: int, width: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """A decode step's arrays (StepInputs' names) in the order of the packed static buffers: the graph's inputs,
-    and placeholders and logits_indices, which the runner uses beside the graph, sent in the same copy.
+    """A decode step's arrays (StepInputs' names) in the order of the packed static buffers: the graph's inputs
+    (sample_slot: the HostRing row its argmax writes), and placeholders and logits_indices, which the runner uses
+    beside the graph, sent in the same copy.
 
     The block table comes last, its rows as wide as max_model_len's blocks. A step's narrower table fills the
     start of each row and the copy ends after its last row's blocks, so it carries nearly the whole table (4 * B *
     max_model_len / block_size bytes for B rows: 256 KiB at 256 rows of 4096 tokens, 2.5 MiB of 40960), the
     entries past the step's blocks holding whatever the host buffer held. Kernels never read those: they stop at
     ceil(seq_len / block_size)."""
-    return {"input_ids": (torch.int64, (bs,)), "positions": (torch.int64, (bs,)),
-            "slot_mapping": (torch.int64, (bs,)), "placeholders": (torch.int64, (2, bs)),
-            "logits_indices": (torch.int64, (bs,)), "decode_seq_lens": (torch.int32, (bs,)),
-            "decode_block_tables": (torch.int32, (bs, width))}
+    return {"input_ids": (torch.int64, (bs,)), "sample_slot": (torch.int64, (1,)),
+            "positions": (torch.int64, (bs,)), "slot_mapping": (torch.int64, (bs,)),
+            "placeholders": (torch.int64, (2, bs)), "logits_indices": (torch.int64, (bs,)),
+            "decode_seq_lens": (torch.int32, (bs,)), "decode_block_tables": (torch.int32, (bs, width))}
 
 
 class PiecewiseGraphs(_Ladder):

@@ -189,7 +189,8 @@ class ModelRunner:
 
         sample = np.array([it.sample for it in items], dtype=bool)
         return StepInputs(
-            input_ids=input_ids, placeholders=placeholders, positions=positions, slot_mapping=slots,
+            input_ids=input_ids, sample_slot=np.zeros(1, dtype=np.int64), placeholders=placeholders,
+            positions=positions, slot_mapping=slots,
             num_decodes=num_decodes, decode_block_tables=decode_table, decode_seq_lens=decode_seq_lens,
             prefill_block_tables=_block_table(rows[p], widths[p], len(items) - num_decodes),
             prefill_seq_lens=seq_lens[p].astype(np.int32), prefill_query_start_loc=query_start_loc,
@@ -251,9 +252,13 @@ class ModelRunner:
         decode_only = items[-1].num_new_tokens == 1
         graphs = self.decode_graphs
         head = None  # (logits, greedy ids) of every row, where the step's graph computed them
+        sample_slot = None  # where the graph also writes the greedy ids on the host
         if graphs is not None and decode_only and graphs.fits(len(items)):
             size = graphs.padded_size(len(items))
             step = self.prepare(items, blocks_of, size)
+            sample_slot = graphs.take_sample_slot(size)
+            if sample_slot is not None:
+                step.sample_slot[0] = sample_slot[1]
             dev = self._upload(step, graphs.inputs[size])
             hidden = graphs.run(size, max_seq_len=int(step.decode_seq_lens.max()))
             if graphs.has_head(size):
@@ -272,12 +277,13 @@ class ModelRunner:
             return [], None
         # When rows 0..n-1 sample (every row of a decode-only step, as a rule), a slice replaces the gather.
         n = len(sampling)
-        rows = slice(0, n) if step.logits_indices[-1] == n - 1 else dev["logits_indices"][:n]
+        leading = step.logits_indices[-1] == n - 1
+        rows = slice(0, n) if leading else dev["logits_indices"][:n]
         if head is None:
             out = self.sampler(self.model.compute_logits(hidden[rows]), sampling)
         else:
             logits, greedy = head
-            out = self.sampler(logits[rows], sampling, greedy[rows])
+            out = self.sampler(logits[rows], sampling, greedy[rows], sample_slot if leading else None)
         self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
         self._sampled_ids = out.device_token_ids
         return sampling, out
@@ -340,6 +346,7 @@ class StepInputs:
     """One step's flat inputs as host arrays, laid out as AttentionMetadata describes them. A decode-only
     step padded for a CUDA graph has more decode rows than scheduled requests."""
     input_ids: np.ndarray  # int64 per token
+    sample_slot: np.ndarray  # int64 [1]: a decode graph's HostRing row for the greedy ids (DecodeGraphs)
     placeholders: np.ndarray  # int64 [2, n]: decode rows whose input id is the previous step's sample at index
     positions: np.ndarray  # int64 per token
     slot_mapping: np.ndarray  # int64 per token

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm.layers.sampler import SamplerOutput
-from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views
+from pagedllm.worker.buffers import HostBuffers, HostRing, packed_size, packed_views
 from pagedllm.worker.model_runner import Uploader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -72,3 +72,27 @@ def test_zero_copy_steps_fill_placeholders_and_read_back_samples():
         assert ids_got.tolist() == ids_want.tolist() and np.array_equal(table_got.cpu().numpy(), table_want)
     for out, dev_ids in outs:
         assert out.token_ids == dev_ids.tolist()
+
+
+def test_samples_read_from_the_ring_their_argmax_wrote():
+    """A decode graph's argmax also writes the ids into the HostRing row its step uploaded (SamplerOutput's ring
+    slot, no copy after the graph): steps queued behind a busy GPU, the host taking a slot again before it has
+    read the output last written there, read back every step's ids as they were."""
+    from pagedllm.ops.triton import fused
+    device = torch.device("cuda")
+    ring = HostRing(2, 4)
+    buffers = HostBuffers(device, 2)
+    slot_dev = torch.zeros(1, dtype=torch.int64, device=device)
+    busy = torch.randn(4096, 4096, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    outs = []
+    for step in range(8):
+        busy = busy @ busy / 64
+        slot = ring.take()  # from the third step on, reads the output two steps back first
+        slot_dev.fill_(slot)
+        logits = torch.randn(3, 50000, device=device, generator=gen) + busy[0, 0] * 0
+        ids = torch.empty(3, dtype=torch.int64, device=device)
+        fused.argmax(logits, ids, ring.rows, slot_dev)
+        outs.append((SamplerOutput(buffers, ids, ring_slot=(ring, slot)), logits.argmax(-1)))
+    for out, want in outs:
+        assert out.token_ids == want.tolist()

@@ -270,27 +270,37 @@ def _argmax_chunk_kernel(x, values, indices, N, stride_x, CHUNK: tl.constexpr, P
 
 
 @triton.jit
-def _argmax_rows_kernel(values, indices, out, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _argmax_rows_kernel(values, indices, out, num_chunks, host, host_slot, stride_host, BLOCK: tl.constexpr,
+                        HOST: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     v = tl.load(values + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
     # Chunks are in column order, so the first chunk holding the maximum holds its first occurrence.
     best = tl.argmax(v, axis=0, tie_break_left=True)
-    tl.store(out + row, tl.load(indices + row * num_chunks + best))
+    token = tl.load(indices + row * num_chunks + best)
+    tl.store(out + row, token)
+    if HOST:
+        tl.store(host + tl.load(host_slot) * stride_host + row, token)
 
 
 ARGMAX_CHUNK = 8192  # fastest from 64 rows up; within 0.2 us of 4096 below (H100)
 
 
-def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(x: torch.Tensor, out: torch.Tensor | None = None, host: torch.Tensor | None = None,
+           host_slot: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, N] -> int64 [rows] (into out where given): the first index of each row's maximum, as
     torch.argmax(x, -1) (rows holding NaN excepted). Every row is cut into chunks reduced in parallel and then
     combined: torch's kernel reduces a row in few blocks, slow for one row of a 150K vocabulary and half the copy
-    bandwidth for a few hundred."""
+    bandwidth for a few hundred. host (int64 [slots, >= rows], pinned) and host_slot (int64 [1] on x's device):
+    the ids are also written into row host_slot[0] of host, which the host then reads without a copy (a slot
+    chosen at run time, so that a CUDA graph can write a different one at each replay)."""
     rows, n = x.shape
     if x.stride(1) != 1:
         raise ValueError("argmax needs rows with unit stride")
+    if (host is None) != (host_slot is None) or host is not None and (
+            host.dim() != 2 or host.shape[1] < rows or host.stride(1) != 1 or host.dtype != torch.int64):
+        raise ValueError("argmax: host must be int64 [slots, >= rows] with unit-stride rows, given with host_slot")
     num_chunks = triton.cdiv(n, ARGMAX_CHUNK)
     values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
@@ -299,6 +309,8 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     dependent = pdl.options(x)
     _argmax_chunk_kernel[(rows, num_chunks)](x, values, indices, n, x.stride(0), CHUNK=ARGMAX_CHUNK,
                                             num_warps=8, **dependent)
-    _argmax_rows_kernel[(rows,)](values, indices, out, num_chunks, BLOCK=_host.pow2_at_least(num_chunks),
-                                 num_warps=1, **dependent)
+    _argmax_rows_kernel[(rows,)](values, indices, out, num_chunks, out if host is None else host,
+                                 out if host_slot is None else host_slot, 0 if host is None else host.stride(0),
+                                 BLOCK=_host.pow2_at_least(num_chunks), HOST=host is not None, num_warps=1,
+                                 **dependent)
     return out
