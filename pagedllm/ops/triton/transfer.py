@@ -8,7 +8,8 @@ reaches them through their own pointers. On the H100 (benchmarks/results/README.
 104-us CUDA graph with the samples copied back, a 640-byte upload and the placeholder ids' gather took 118.6 us a
 step, with these kernels 110.5; the engine's batch-1 step 0.669-0.671 -> 0.663 ms, batch 2 in `bench latency`
 0.850 -> 0.838 ms. Reads cross the bus at its latency, so only small transfers take these kernels (MAX_WORDS):
-large ones go faster as copies.
+large ones go faster as copies. A decode graph's greedy ids need no read-back at all: its argmax writes them into a
+pinned row itself (DecodeGraphs, fused.argmax).
 """
 import torch
 import triton
