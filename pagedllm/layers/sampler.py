@@ -27,8 +27,8 @@ _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range
 class SamplerOutput:
     """One step's sampled ids (and requested logprobs), computed on the device. They are copied into a host
     buffer as soon as the sampler has queued them, so reading token_ids waits for this step's work only, not for
-    work queued after it (the next step, when steps overlap). ring_slot: (ring, slot) where the queued work
-    already writes the ids into that row of a HostRing (a decode graph's argmax), so no copy is queued."""
+    work queued after it (the next step, when steps overlap). ring_slot (ids only): (ring, slot) where the queued
+    work already writes the ids into that row of a HostRing (a decode graph's argmax), so no copy is queued."""
 
     def __init__(self, buffers: HostBuffers, token_ids: torch.Tensor, logprob_rows: list[int] = (),
                  num_top: list[int] = (), logprob_tensors: tuple[torch.Tensor, ...] = (),
@@ -36,7 +36,7 @@ class SamplerOutput:
         self.device_token_ids = token_ids
         self._logprob_rows, self._num_top = logprob_rows, num_top
         self._lists: tuple[list[int], list[dict[int, float] | None]] | None = None
-        if ring_slot is not None and not logprob_tensors:
+        if ring_slot is not None:
             ring, slot = ring_slot
             self._host, self._ready = [ring.rows[slot, :token_ids.shape[0]]], ring.events[slot]
             ring.readers[slot] = self._read
