@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagedllm.ops.triton import decode, decode_layer, fused, linear, prefill
+from pagedllm.ops.triton import decode, decode_layer, fused, greedy_head, linear, prefill
 from pagedllm.ops.xattention import estimate, sparse_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -129,6 +129,21 @@ def _rms_norm():
     return fused._rms_norm_kernel, types, consts, dict(num_warps=4, num_stages=1, enable_fp_fusion=False)
 
 
+def _greedy_screen():
+    """The screened greedy head's screen (greedy_head) on Qwen3-0.6B's 151936 x 1024 head."""
+    types = dict(x="*bf16", codes="*i32", scale="*fp32", bound="*fp32", hi="*fp32", top="*fp32", gamma="fp32")
+    consts = dict(K=1024, WORDS_PAD=256, BN=greedy_head.SCREEN_ROWS, SLOTS=greedy_head.TOP_SLOTS, PDL=True)
+    return greedy_head._screen_kernel, types, consts, dict(num_warps=greedy_head.SCREEN_WARPS, num_stages=3)
+
+
+def _greedy_pick():
+    types = dict(x="*bf16", w_desc=_desc(greedy_head.HEAD_TILE, 128), hi="*fp32", top="*fp32", values="*fp32",
+                 indices="*i64", margin="fp32")
+    consts = dict(K=1024, BM=16, BN=greedy_head.HEAD_TILE, BK=128, STAGES=4, TILES=greedy_head.PICK_TILES,
+                  SLOTS=greedy_head.TOP_SLOTS, PDL=True)
+    return greedy_head._pick_kernel, types, consts, dict(num_warps=4, num_stages=3, enable_fp_fusion=False)
+
+
 # name -> kernel spec at its GPU launch config (bf16, head 128, Qwen3-0.6B's 2 query heads per kv head)
 KERNELS = {
     "xattention_sparse": _sparse,
@@ -143,6 +158,8 @@ KERNELS = {
     "split_k_linear_16_rows_gated": lambda: _split_k(16, True),
     "split_k_linear_64_rows": lambda: _split_k(64, False),
     "rms_norm_residual": _rms_norm,
+    "greedy_screen": _greedy_screen,
+    "greedy_pick": _greedy_pick,
     "decoder_layer": _decoder_layer,
     # the five launches of a step whose graph is bounded at 2048 tokens (both tile sizes), as the engine runs them
     **{f"decoder_layer_{name}": (lambda p=p: _decoder_layer(p)) for p, name in

@@ -270,9 +270,11 @@ def _argmax_chunk_kernel(x, values, indices, N, stride_x, CHUNK: tl.constexpr, P
 
 
 @triton.jit
-def _argmax_rows_kernel(values, indices, out, num_chunks, host, host_slot, stride_host, BLOCK: tl.constexpr,
-                        HOST: tl.constexpr, PDL: tl.constexpr):
+def _argmax_rows_kernel(values, indices, out, num_chunks, host, host_slot, stride_host, reset, BLOCK: tl.constexpr,
+                        HOST: tl.constexpr, RESET: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
+    if RESET:  # once the kernel before, which read them, has completed
+        tl.store(reset + tl.arange(0, RESET), float("-inf"))
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     v = tl.load(values + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
@@ -298,19 +300,29 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None, host: torch.Tensor 
     rows, n = x.shape
     if x.stride(1) != 1:
         raise ValueError("argmax needs rows with unit stride")
-    if (host is None) != (host_slot is None) or host is not None and (
-            host.dim() != 2 or host.shape[1] < rows or host.stride(1) != 1 or host.dtype != torch.int64):
-        raise ValueError("argmax: host must be int64 [slots, >= rows] with unit-stride rows, given with host_slot")
     num_chunks = triton.cdiv(n, ARGMAX_CHUNK)
     values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
-    if out is None:
-        out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    dependent = pdl.options(x)
     _argmax_chunk_kernel[(rows, num_chunks)](x, values, indices, n, x.stride(0), CHUNK=ARGMAX_CHUNK,
-                                            num_warps=8, **dependent)
+                                            num_warps=8, **pdl.options(x))
+    return argmax_of_chunks(values, indices, out, host, host_slot)
+
+
+def argmax_of_chunks(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None,
+                     host: torch.Tensor | None = None, host_slot: torch.Tensor | None = None,
+                     reset: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's token from the largest and first index of each of its chunks (float32 / int64 [rows,
+    chunks], in column order), into out and host as argmax writes them. reset (float32 [a power of two]): set
+    to -inf, for the kernels before that raise it by atomics (greedy_head)."""
+    rows, num_chunks = values.shape
+    if (host is None) != (host_slot is None) or host is not None and (
+            host.dim() != 2 or host.shape[1] < rows or host.stride(1) != 1 or host.dtype != torch.int64):
+        raise ValueError("argmax: host must be int64 [slots, >= rows] with unit-stride rows, given with host_slot")
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=values.device)
     _argmax_rows_kernel[(rows,)](values, indices, out, num_chunks, out if host is None else host,
                                  out if host_slot is None else host_slot, 0 if host is None else host.stride(0),
-                                 BLOCK=_host.pow2_at_least(num_chunks), HOST=host is not None, num_warps=1,
-                                 **dependent)
+                                 values if reset is None else reset, BLOCK=_host.pow2_at_least(num_chunks),
+                                 HOST=host is not None, RESET=0 if reset is None else reset.numel(), num_warps=1,
+                                 **pdl.options(values))
     return out

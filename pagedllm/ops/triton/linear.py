@@ -50,11 +50,20 @@ def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm, BM: tl.const
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_ok = offs_m < M
+    acc = tile_sums(x, w_desc, pid_n * BN, offs_m, m_ok, pid_k * k_per, k_per, stride_xm, K, BM, BN, BK, STAGES,
+                    GATED)
+    tl.store(partials + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], tl.trans(acc), mask=m_ok[:, None])
+
+
+@triton.jit
+def tile_sums(x, w_desc, n0, offs_m, m_ok, k0, k_per, stride_xm, K, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr):
+    """float32 [BN, BM] sums of weight rows n0 ... n0 + BN - 1 times rows offs_m [BM] of x over columns k0 ... k0 +
+    k_per - 1. greedy_head recomputes the LM head's logits with it, bit for bit as head_linear computed them."""
     offs_k = tl.arange(0, BK)
-    k0 = pid_k * k_per
     acc = tl.zeros((BN, BM), tl.float32)
     for k in tl.range(k0, k0 + k_per, BK, num_stages=STAGES):
-        w = w_desc.load([pid_n * BN, k])
+        w = w_desc.load([n0, k])
         x_ptr = x + offs_m[None, :] * stride_xm + (k + offs_k)[:, None]
         if GATED:  # x = [gate | up]; rounded as fused.silu_and_mul rounds
             gate = tl.load(x_ptr, mask=m_ok[None, :], other=0.0).to(tl.float32)
@@ -63,7 +72,7 @@ def _split_k_kernel(x, w_desc, partials, M, N, K, k_per, stride_xm, BM: tl.const
         else:
             xt = tl.load(x_ptr, mask=m_ok[None, :], other=0.0)
         acc = tl.dot(w, xt, acc)
-    tl.store(partials + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], tl.trans(acc), mask=m_ok[:, None])
+    return acc
 
 
 def _config(m: int, n: int, k: int):

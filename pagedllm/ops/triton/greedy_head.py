@@ -1,0 +1,186 @@
+"""The greedy token of a decode step of one sequence without reading the whole LM head: its argmax is screened on
+an int8 copy of the head, and only the 64-row tiles that can hold it are computed exactly.
+
+At batch 1 the head is the largest read of a step (Qwen3-0.6B: 311 MB of 1.19 GB, ~101 us at the H100's 3.07 TB/s)
+and head_linear already streams it at that rate. A greedy step needs only the argmax. Each row v of the head W
+[V, K] is kept as int8 codes q_v with a float32 scale s_v (s_v = max |W_v| / 127), half the bytes. For a step's
+x (the final norm's output) the screen computes A_v = s_v sum_j q_vj x_j, and a bound B_v on how far the
+logit head_linear computes can lie from it:
+
+    |W_v . x - A_v| <= ||W_v - s_v q_v|| ||x|| (Cauchy-Schwarz)  + float32 rounding of both sums,
+
+with ||W_v - s_v q_v|| and ||W_v|| computed once, in float64, when the screen is built (ScreenedHead). The
+largest A_v - B_v, T, is a lower bound on the largest logit. Only a row whose A_v + B_v reaches T can hold it,
+or tie with it once the logits are rounded to the model dtype (head_linear's output): the threshold is T less
+two units in the last place of the dtype (MARGIN). The pick kernel recomputes each 64-row tile of the head
+holding such a row with head_linear's own code (linear.tile_sums: same tiles, same MMA order, so the same float32
+sums bit for bit), rounds the logits as head_linear stores them, and keeps the first largest: the token
+head_linear + argmax would give, whatever x is. Few tiles pass: on the H100 (benchmarks/greedy_head.py), with the
+hidden states of a random-weight Qwen3-0.6B decoding, 7 of its 2374 on average (15 at most), and the head + argmax
+took 64 us instead of 105; with random x on Llama 3 8B's head (K = 4096 widens the bound) 145 of 2004, 217-248 us
+instead of 345. Many near-equal logits make more tiles pass, which is slower, never wrong.
+
+The int8 codes are stored as bytes q + 128, four to an int32 word, and widened exactly with integer instructions
+(2^23 + u as a float32's bits, less 2^23 + 128): a conversion instruction would issue at a quarter of the rate.
+The screen's sum is a GEMV on the CUDA cores, which issues in less time than the codes take to arrive (2.8 TB/s
+on the H100, 8 rows a program of 2 warps; persistent programs streaming tiles through shared memory were no
+faster). Only steps of one sequence take it: at two rows the screen held twice the registers, fewer programs fit
+an SM, and it read at half the rate (108 us against head_linear's 105).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import pdl
+from .fused import argmax_of_chunks
+from .linear import head_supported, tile_sums
+
+SCREEN_ROWS = 8  # head rows a screening program
+SCREEN_WARPS = 2
+HEAD_TILE = 64  # head_linear's weight tile (rows), the unit the pick kernel recomputes
+PICK_TILES = 4  # head tiles a pick program checks
+# The screen's programs put their largest lower bound into one of this many slots by atomic max (spread, so that
+# the atomics do not queue on one address); the argmax kernel after the pick sets them back to -inf.
+TOP_SLOTS = 64
+# A unit in the last place of a logit rounded to the dtype, relative to it (at most 2^-7 for bfloat16's 8
+# significant bits, 2^-10 for float16's 11): two logits that round to the same value are at most that far apart.
+# Twice that, for the threshold's own float32 rounding.
+MARGIN = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9}
+
+
+@triton.jit
+def _screen_kernel(x, codes, scale, bound, hi, top, V, gamma, K: tl.constexpr, WORDS_PAD: tl.constexpr,
+                   BN: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
+    tile = tl.program_id(0)
+    n = tile * BN + tl.arange(0, BN)
+    n_ok = n < V
+    words = tl.arange(0, WORDS_PAD)
+    w_ok = words < K // 4
+    w = tl.load(codes + n[:, None].to(tl.int64) * (K // 4) + words[None, :], mask=n_ok[:, None] & w_ok[None, :],
+                other=0)
+    s = tl.load(scale + n, mask=n_ok, other=0.0)
+    err = tl.load(bound + n, mask=n_ok, other=0.0)
+    norm = tl.load(bound + V + n, mask=n_ok, other=0.0)
+    if PDL:  # the codes are weights: requested before the wait for x
+        pdl.gdc_launch_dependents()
+        pdl.gdc_wait()
+    dot = tl.zeros([BN, WORDS_PAD], tl.float32)
+    sq = tl.zeros([WORDS_PAD], tl.float32)
+    for b in tl.static_range(4):
+        code = (((w >> (8 * b)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        xb = tl.load(x + 4 * words + b, mask=w_ok, other=0.0).to(tl.float32)
+        dot += code * xb[None, :]
+        sq += xb * xb
+    a = tl.sum(dot, axis=1) * s
+    # 1 + 2^-10: the bound's own float32 rounding, ||x||'s included
+    bound_ = (err + gamma * norm) * tl.sqrt(tl.sum(sq, axis=0)) * 1.0009765625
+    tl.store(hi + n, a + bound_, mask=n_ok)
+    tl.atomic_max(top + tile % SLOTS, tl.max(tl.where(n_ok, a - bound_, float("-inf")), axis=0), sem="relaxed")
+
+
+@triton.jit
+def _pick_kernel(x, w_desc, hi, top, values, indices, V, margin, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, STAGES: tl.constexpr, TILES: tl.constexpr, SLOTS: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl.start(PDL)
+    part = tl.program_id(0)
+    t = tl.max(tl.load(top + tl.arange(0, SLOTS)), axis=0)
+    threshold = t - tl.abs(t) * margin
+    n = part * TILES * BN + tl.arange(0, TILES * BN)
+    passed = (tl.load(hi + n, mask=n < V, other=float("-inf")) >= threshold).to(tl.int32)
+    tiles = tl.max(tl.reshape(passed, [TILES, BN]), axis=1)
+    tile_ids = tl.arange(0, TILES)
+    offs_m = tl.arange(0, BM)  # head_linear's row tile: x's one row, and padding
+    best = tl.full([], float("-inf"), tl.float32)
+    best_n = tl.full([], 0, tl.int32)
+    while tl.max(tiles, axis=0) > 0:  # the passing tiles in column order: on a tie the earlier one stays
+        i = tl.argmax(tiles, axis=0, tie_break_left=True)
+        tiles = tl.where(tile_ids == i, 0, tiles)
+        n0 = (part * TILES + i) * BN
+        acc = tile_sums(x, w_desc, n0, offs_m, offs_m < 1, 0, K, 0, K, BM, BN, BK, STAGES, False)
+        logits = tl.sum(tl.where(offs_m[None, :] == 0, acc, 0.0), axis=1)
+        logits = logits.to(x.dtype.element_ty).to(tl.float32)  # as head_linear stores them
+        largest = tl.max(logits, axis=0)
+        if largest > best:
+            best = largest
+            best_n = n0 + tl.argmax(logits, axis=0, tie_break_left=True)
+    tl.store(values + part, best)
+    tl.store(indices + part, best_n.to(tl.int64))
+
+
+class ScreenedHead:
+    """The int8 screen of an LM head weight [V, K] (16-bit, V a multiple of 64, K of 128: head_linear's tiles),
+    built once: codes (int32 [V, K / 4], bytes q + 128), scale (float32 [V]) and bound (float32 [2, V]:
+    ||W_v - s_v q_v|| and ||W_v|| + that, rounded up), and top, the slots of a step's T: V K + 12 V bytes of
+    device memory (cuda_graph.screen_bytes)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        v, k = weight.shape
+        if not head_supported(weight[:1], weight):
+            raise ValueError(f"screened LM head: a {tuple(weight.shape)} {weight.dtype} weight is not one "
+                             "head_linear tiles (16-bit, rows a multiple of 64, columns of 128)")
+        self.weight = weight
+        self.codes = torch.empty(v, k, dtype=torch.uint8, device=weight.device)
+        self.scale = torch.empty(v, dtype=torch.float32, device=weight.device)
+        self.bound = torch.empty(2, v, dtype=torch.float32, device=weight.device)
+        for r in range(0, v, 8192):  # float64 copies of a slice at a time
+            w = weight[r:r + 8192].double()
+            s = (w.abs().amax(dim=1) / 127).float()
+            q = torch.where(s[:, None] > 0, w / s.double()[:, None], 0.0).round().clamp(-127, 127)
+            err = (w - q * s.double()[:, None]).norm(dim=1)
+            self.codes[r:r + 8192] = (q + 128).to(torch.uint8)
+            self.scale[r:r + 8192] = s
+            # the float32 copies of float64 norms rounded up (2^-20 exceeds their rounding)
+            self.bound[0, r:r + 8192] = err * (1 + 2.0 ** -20)
+            self.bound[1, r:r + 8192] = (w.norm(dim=1) + err) * (1 + 2.0 ** -20)
+        self.codes = self.codes.view(torch.int32)
+        # -inf between calls: the screen's atomics raise it, the argmax after the pick resets it (so the kernels of
+        # one ScreenedHead must not run on two streams at once)
+        self.top = torch.full((TOP_SLOTS,), float("-inf"), device=weight.device)
+
+    @staticmethod
+    def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether greedy() takes x [rows, K] on this head weight: one row of head_linear's shapes."""
+        return x.shape[0] == 1 and head_supported(x, weight)
+
+    def _screen(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [V]: upper bounds A_v + B_v on x's logits; the largest lower bound A_v - B_v into self.top."""
+        v, k = self.weight.shape
+        hi = torch.empty(v, dtype=torch.float32, device=x.device)
+        # Each logit head_linear or the screen sums is within 2 K 2^-24 ||W_v|| ||x|| of its exact value (float32
+        # rounding of K products); twice that, and 2^-20 for the bound's own terms.
+        gamma = 4 * k * 2.0 ** -24 + 2.0 ** -20
+        _screen_kernel[(triton.cdiv(v, SCREEN_ROWS),)](x, self.codes, self.scale, self.bound, hi, self.top, v, gamma,
+                                                       K=k, WORDS_PAD=triton.next_power_of_2(k // 4), BN=SCREEN_ROWS,
+                                                       SLOTS=TOP_SLOTS, num_warps=SCREEN_WARPS, **pdl.options(x))
+        return hi
+
+    def bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The screen of x [1, K] on its own (benchmarks and tests): float32 [V] upper bounds A_v + B_v on the
+        logits, and T, the largest lower bound A_v - B_v. Synchronises."""
+        hi = self._screen(x)
+        t = self.top.max().item()
+        self.top.fill_(float("-inf"))
+        return hi, t
+
+    def greedy(self, x: torch.Tensor, out: torch.Tensor | None = None, host: torch.Tensor | None = None,
+               host_slot: torch.Tensor | None = None) -> torch.Tensor:
+        """The first index of x's largest logit, as fused.argmax(linear.head_linear(x, weight)) gives it (int64
+        [1]), into out, and host's row host_slot[0], as fused.argmax writes them."""
+        if not self.supported(x, self.weight):
+            raise ValueError(f"screened LM head: x {tuple(x.shape)} {x.dtype} (one row of the head's "
+                             f"{self.weight.shape[1]} columns, its dtype, unit stride)")
+        v, k = self.weight.shape
+        hi = self._screen(x)
+        parts = triton.cdiv(v, PICK_TILES * HEAD_TILE)
+        values = torch.empty(1, parts, dtype=torch.float32, device=x.device)
+        indices = torch.empty(1, parts, dtype=torch.int64, device=x.device)
+        w_desc = TensorDescriptor(self.weight, [v, k], [self.weight.stride(0), 1], [HEAD_TILE, 128])
+        _pick_kernel[(parts,)](x, w_desc, hi, self.top, values, indices, v, MARGIN[x.dtype], K=k, BM=16,
+                               BN=HEAD_TILE, BK=128, STAGES=4, TILES=PICK_TILES, SLOTS=TOP_SLOTS, num_warps=4,
+                               enable_fp_fusion=False, **pdl.options(x))  # head_linear's tiles
+        return argmax_of_chunks(values, indices, out, host, host_slot, reset=self.top)
+
