@@ -99,22 +99,35 @@ def test_prepare_matches_a_per_token_reference(options):
 class EagerGraph:
     """Stands in for one of DecodeGraphs' CUDA graphs on the CPU: a replay runs the model on the static inputs."""
 
-    def __init__(self, graphs: DecodeGraphs, bs: int, bound: int, replays: list) -> None:
-        self.graphs, self.bs, self.bound, self.replays = graphs, bs, bound, replays
+    def __init__(self, graphs: DecodeGraphs, key: tuple[int, int, bool], replays: list) -> None:
+        self.graphs, self.key, self.replays = graphs, key, replays
 
     def replay(self) -> None:
-        graphs, inputs = self.graphs, self.graphs.inputs[self.bs]
-        with set_forward_context(graphs._metadata(self.bs, self.bound)):
-            graphs.outputs[self.bs, self.bound] = graphs._forward(self.bs, inputs)
-        self.replays.append((self.bs, self.bound))
+        graphs, (bs, bound, screened) = self.graphs, self.key
+        with set_forward_context(graphs._metadata(bs, bound)):
+            graphs.outputs[self.key] = graphs._forward(bs, graphs.inputs[bs], screened)
+        self.replays.append(self.key)
 
 
-def decode_graphs_on_cpu(runner) -> list:
-    """Gives the runner DecodeGraphs whose graphs run eagerly; returns the list of (size, bound) replayed."""
+class ArgmaxScreen:
+    """Stands in for the screened LM head (ops.triton.greedy_head, whose kernels tests/test_greedy_head.py checks):
+    the argmax of the model's logits."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def greedy(self, hidden, out, *host):
+        return torch.argmax(self.model.compute_logits(hidden), dim=-1, out=out)
+
+
+def decode_graphs_on_cpu(runner, screen=None) -> list:
+    """Gives the runner DecodeGraphs whose graphs run eagerly, with screened graphs of one row where screen is
+    given; returns the list of (size, bound, screened) replayed."""
     cfg, replays = runner.config, []
     graphs = DecodeGraphs(runner.model, runner.device, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
-    graphs.graphs = {(bs, bound): EagerGraph(graphs, bs, bound, replays)
-                     for bs in graphs.sizes for bound in graphs.bounds_of(bs)}
+    graphs.screen = screen
+    graphs.graphs = {key: EagerGraph(graphs, key, replays) for bs in graphs.sizes for bound in graphs.bounds_of(bs)
+                     for key in [(bs, bound, False)] + [(bs, bound, True)] * graphs.has_screen(bs)}
     runner.decode_graphs = graphs
     return replays
 
@@ -188,6 +201,27 @@ def test_graph_steps_sample_what_eager_steps_do():
     outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                for llm in (graph_llm, eager_llm)]
     assert outputs[0] == outputs[1]
-    assert {bs for bs, _ in replays} == {1, 2, 4, 6} and len({bound for _, bound in replays}) > 1
+    assert {bs for bs, _, _ in replays} == {1, 2, 4, 6} and len({bound for _, bound, _ in replays}) > 1
     assert graph_llm.engine.runner.decode_graphs.has_head(6)  # the graphs' logits and greedy ids were sampled
     assert graph_llm.engine.stats()["num_preemptions"] > 0
+
+
+def test_plain_greedy_steps_of_one_sequence_take_the_screened_graph():
+    """A decode step of one sequence whose token is its plain argmax replays the graph of the screened LM head (no
+    logits); one that samples, asks for logprobs or is still within min_tokens replays the graph with the logits,
+    and the tokens are those of eager steps."""
+    options = dict(load_format="dummy", device="cpu", max_model_len=128, max_num_seqs=4)
+    graph_llm = LLM(model_dir_for("tiny"), **options)
+    eager_llm = LLM(model_dir_for("tiny"), **options)
+    runner = graph_llm.engine.runner
+    replays = decode_graphs_on_cpu(runner, ArgmaxScreen(runner.model))
+    prompt = [[5, 9, 2, 7]]
+    cases = [(SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), {True}),
+             (SamplingParams(temperature=0.7, seed=3, max_tokens=8, ignore_eos=True), {False}),
+             (SamplingParams(temperature=0.0, logprobs=2, max_tokens=8, ignore_eos=True), {False}),
+             (SamplingParams(temperature=0.0, min_tokens=4, max_tokens=8), {False, True})]
+    for params, screened in cases:
+        replays.clear()
+        outputs = [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for llm in (graph_llm, eager_llm)]
+        assert outputs[0].token_ids == outputs[1].token_ids and len(outputs[0].token_ids) == 8
+        assert {s for bs, _, s in replays} == screened and {bs for bs, _, _ in replays} == {1}

@@ -150,26 +150,35 @@ class Sampler:
         flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in parts])
         return list(self._to_device(torch.from_numpy(flat)).split([len(x) for x in parts]))
 
+    @staticmethod
+    def plain_greedy(requests: list[Request]) -> bool:
+        """Whether a step of these requests takes each row's largest logit as it is: no random sampling,
+        penalties, logprobs, logit bias or min_tokens ban (so only the argmax of the logits is needed)."""
+        # The token sampled now is output number num_output_tokens + num_placeholders (counting from 1): the
+        # placeholders include it and any earlier token still on its way.
+        return all(p.greedy and not p.has_penalties and p.logprobs is None and not p.logit_bias
+                   and r.num_output_tokens + r.num_placeholders > p.min_tokens
+                   for r in requests for p in (r.sampling_params,))
+
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor | None = None,
+    def __call__(self, logits: torch.Tensor | None, requests: list[Request], greedy: torch.Tensor | None = None,
                  greedy_host: tuple[HostRing, int] | None = None) -> SamplerOutput:
         """Samples one token per row of logits [len(requests), vocab]; may modify logits in place. greedy: the
-        rows' argmax where a decode graph has computed it (DecodeGraphs.run), taken for a plain greedy step;
-        greedy_host: the HostRing slot the graph also writes it into (SamplerOutput's ring_slot)."""
+        rows' argmax where a decode graph has computed it (DecodeGraphs.run), taken for a plain greedy step
+        (which needs no logits then); greedy_host: the HostRing slot the graph also writes it into
+        (SamplerOutput's ring_slot)."""
+        if self.plain_greedy(requests):
+            # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
+            if greedy is None:
+                return SamplerOutput(self.host_buffers, greedy_tokens(logits))
+            return SamplerOutput(self.host_buffers, greedy, ring_slot=greedy_host)
         params = [r.sampling_params for r in requests]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         biased = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
-        # The token sampled now is output number num_output_tokens + num_placeholders (counting from 1): the
-        # placeholders include it and any earlier token still on its way.
         min_tokens_rows = [i for i, r in enumerate(requests)
                            if r.num_output_tokens + r.num_placeholders <= r.sampling_params.min_tokens]
-        if not (random_rows or penalty_rows or logprob_rows or min_tokens_rows or biased):
-            # argmax is exact in the logits' own dtype: no float32 copy of the whole batch's logits.
-            if greedy is None:
-                return SamplerOutput(self.host_buffers, greedy_tokens(logits))
-            return SamplerOutput(self.host_buffers, greedy, ring_slot=greedy_host)
 
         logits = logits.float()
         batch, vocab = logits.shape

@@ -142,11 +142,15 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [vocab, hidden]: the embedding's where they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden] (only the positions to sample) -> logits [N, vocab] in the model's dtype (into out
         where given): a greedy step takes the argmax as it is, and the sampler upcasts only when it has more to
         do."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight()
         kernels = fused_kernels(hidden)
         if kernels is not None and kernels.head_supported(hidden, weight):  # decode steps of few sequences
             return kernels.head_linear(hidden, weight, out)

@@ -18,6 +18,7 @@ running them, so steps replay captured graphs instead:
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -49,6 +50,10 @@ HEAD_MAX_BATCH = 32
 # (HostRing), the one the step uploaded: the host reads them there, without a copy kernel after the graph. The engine
 # reads a step's samples one step later, so two would do; a third is a margin.
 SAMPLE_SLOTS = 3
+# Steps of one sequence whose rows all take the plain argmax get a graph of their own that screens the LM head on an
+# int8 copy (ops.triton.greedy_head, V x K bytes more memory) instead of computing every logit. PAGEDLLM_GREEDY_SCREEN=0
+# keeps the head as it is (benchmarks/results/README.md's A/B).
+SCREEN_ENV_VAR = "PAGEDLLM_GREEDY_SCREEN"
 
 
 class _Ladder:
@@ -78,9 +83,10 @@ class DecodeGraphs(_Ladder):
         self.inputs = {bs: dict(zip(spec, packed_views(self.buffer, spec.values()))) for bs, spec in specs.items()}
         lowest = min(MIN_CONTEXT_BOUND, 1 << max(0, (max_model_len // 8).bit_length() - 1))
         self.context_bounds = _powers_of_two(lowest, max_model_len) + [max_model_len]
-        # (batch size, context bound) -> graph and its output
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # (batch size, context bound, screened) -> graph and its output
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self.screen = None  # the LM head's int8 screen (built at capture, _screened_head)
         # the head's logits and greedy ids of the graphs of up to HEAD_MAX_BATCH rows (allocated at capture), and
         # where the Triton argmax also writes the ids on the host
         self.logits: torch.Tensor | None = None
@@ -105,30 +111,32 @@ class DecodeGraphs(_Ladder):
 
     @torch.inference_mode()
     def capture(self) -> None:
+        self.screen = _screened_head(self.model)
         pool = None
         # Largest first, so the smaller graphs reuse its memory pool.
         for bs in reversed(self.sizes):
             inputs = self.inputs[bs]
             for bound in reversed(self.bounds_of(bs)):
-                self._pad(bs)
-                with set_forward_context(self._metadata(bs, bound)):
-                    # A run outside the graph compiles every kernel for this shape before capture.
-                    self._forward(bs, inputs)
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[bs, bound] = self._forward(bs, inputs)
-                pool = graph.pool()
-                self.graphs[bs, bound] = graph
+                for screened in (False, True) if self.screen is not None and bs == 1 else (False,):
+                    self._pad(bs)
+                    with set_forward_context(self._metadata(bs, bound)):
+                        # A run outside the graph compiles every kernel for this shape before capture.
+                        self._forward(bs, inputs, screened)
+                        torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            self.outputs[bs, bound, screened] = self._forward(bs, inputs, screened)
+                    pool = graph.pool()
+                    self.graphs[bs, bound, screened] = graph
         # A graph's first launch uploads it to the device (0.3 ms of host time on the H100, benchmarks/
         # engine_probe.py graph-launch), which would land on the first step of each shape mid-run. These
         # replays of padding write nothing.
-        for (bs, _), graph in self.graphs.items():
+        for (bs, _, _), graph in self.graphs.items():
             self._pad(bs)
             graph.replay()
         torch.cuda.synchronize()
 
-    def _forward(self, bs: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward(self, bs: int, inputs: dict[str, torch.Tensor], screened: bool = False) -> torch.Tensor:
         hidden = self.model(inputs["input_ids"], inputs["positions"])
         if bs <= HEAD_MAX_BATCH:
             if self.logits is None:  # at the first capture's warm-up run
@@ -138,12 +146,15 @@ class DecodeGraphs(_Ladder):
                 self.greedy = torch.empty(rows, dtype=torch.int64, device=logits.device)
                 if fused_kernels(logits) is not None and zero_copy(logits.device) is not None:
                     self.greedy_host = HostRing(SAMPLE_SLOTS, rows)
+            host = () if self.greedy_host is None else (self.greedy_host.rows, inputs["sample_slot"])
+            if screened:
+                self.screen.greedy(hidden, self.greedy[:bs], *host)
+                return hidden
             logits = self.model.compute_logits(hidden, self.logits[:bs])
             if self.greedy_host is None:
                 greedy_tokens(logits, self.greedy[:bs])
             else:
-                fused_kernels(logits).argmax(logits, self.greedy[:bs], self.greedy_host.rows,
-                                             inputs["sample_slot"])
+                fused_kernels(logits).argmax(logits, self.greedy[:bs], *host)
         return hidden
 
     def take_sample_slot(self, bs: int) -> tuple[HostRing, int] | None:
@@ -157,13 +168,34 @@ class DecodeGraphs(_Ladder):
         """Whether the graphs of bs rows compute the logits and greedy ids (HEAD_MAX_BATCH)."""
         return self.logits is not None and bs <= HEAD_MAX_BATCH
 
-    def run(self, bs: int, max_seq_len: int) -> torch.Tensor:
+    def has_screen(self, bs: int) -> bool:
+        """Whether bs rows have graphs that compute the greedy ids by the screened head, and no logits."""
+        return self.screen is not None and bs == 1
+
+    def run(self, bs: int, max_seq_len: int, screened: bool = False) -> torch.Tensor:
         """Hidden states [bs, hidden] of a decode-only step padded to the captured size bs, whose arrays are in
-        self.inputs[bs]; max_seq_len: its longest sequence. Valid until the next run(), as are, where has_head(bs),
-        the first bs rows of self.logits and self.greedy."""
-        key = bs, next(b for b in self.bounds_of(bs) if b >= max_seq_len)
+        self.inputs[bs]; max_seq_len: its longest sequence; screened: by the graph of the screened head
+        (has_screen). Valid until the next run(), as are, where has_head(bs), the first bs rows of self.greedy
+        and, unless screened, of self.logits."""
+        key = bs, next(b for b in self.bounds_of(bs) if b >= max_seq_len), screened
         self.graphs[key].replay()
         return self.outputs[key]
+
+
+def _screened_head(model: torch.nn.Module):
+    """The int8 screen of the model's LM head for greedy steps of one sequence, where the fused kernels run it and
+    SCREEN_ENV_VAR does not switch it off."""
+    weight = model.head_weight()
+    if (fused_kernels(weight) is None
+            or os.environ.get(SCREEN_ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no")):
+        return None
+    from pagedllm.ops.triton.greedy_head import ScreenedHead
+    return ScreenedHead(weight) if ScreenedHead.supported(weight[:1], weight) else None
+
+
+def screen_bytes(vocab_size: int, hidden_size: int) -> int:
+    """Device memory the screen of a [vocab_size, hidden_size] LM head takes (greedy_head.ScreenedHead)."""
+    return vocab_size * hidden_size + 12 * vocab_size
 
 
 def _powers_of_two(low: int, high: int) -> list[int]:

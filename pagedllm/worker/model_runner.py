@@ -20,7 +20,7 @@ from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefil
 from pagedllm.layers.sampler import Sampler, SamplerOutput, greedy_tokens
 from pagedllm.ops.xattention import prefill_workspace_bytes
 from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views, zero_copy
-from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs
+from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, screen_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ModelRunner:
         # The reference ops read lengths on the host, which a graph cannot replay.
         graphs_ok = self.device.type == "cuda" and ops.get_backend(self.device) is not ops.reference
         full, piecewise = config.graph_modes() if graphs_ok else (False, False)
-        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(piecewise)
+        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(full, piecewise)
         self._allocate_kv_cache()
         # The previous step's samples on the device, and the row of each request among them: a decode step
         # scheduled before they reached the host takes its input ids from there.
@@ -104,7 +104,7 @@ class ModelRunner:
         elem = torch.empty((), dtype=cache_dtype).element_size()
         return (math.prod(key_shape) + math.prod(value_shape)) * elem * len(self.attn_layers)
 
-    def _blocks_that_fit(self, piecewise_graphs: bool) -> int:
+    def _blocks_that_fit(self, decode_graphs: bool, piecewise_graphs: bool) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -117,6 +117,8 @@ class ModelRunner:
             q_width = hf.num_attention_heads * self.head_size
             activations = (((cfg.max_num_batched_tokens + graph_tokens) * width + 2 * graph_tokens * q_width)
                            * self.dtype.itemsize + 3 * cfg.max_num_seqs * hf.vocab_size * 4)
+            if decode_graphs:  # the LM head's int8 screen they may build (DecodeGraphs.screen)
+                activations += screen_bytes(hf.vocab_size, hf.hidden_size)
             if self.sparse_prefill is not None and cfg.max_model_len >= cfg.xattn_min_prompt_len:
                 # a layer's sparse prefill of a chunk against a whole max_model_len context
                 activations += prefill_workspace_bytes(
@@ -260,9 +262,10 @@ class ModelRunner:
             if sample_slot is not None:
                 step.sample_slot[0] = sample_slot[1]
             dev = self._upload(step, graphs.inputs[size])
-            hidden = graphs.run(size, max_seq_len=int(step.decode_seq_lens.max()))
+            screened = graphs.has_screen(size) and Sampler.plain_greedy([it.request for it in items])
+            hidden = graphs.run(size, max_seq_len=int(step.decode_seq_lens.max()), screened=screened)
             if graphs.has_head(size):
-                head = graphs.logits, graphs.greedy
+                head = (None if screened else graphs.logits), graphs.greedy
         else:
             step = self.prepare(items, blocks_of)
             dev = self._upload(step)
@@ -283,7 +286,8 @@ class ModelRunner:
             out = self.sampler(self.model.compute_logits(hidden[rows]), sampling)
         else:
             logits, greedy = head
-            out = self.sampler(logits[rows], sampling, greedy[rows], sample_slot if leading else None)
+            out = self.sampler(None if logits is None else logits[rows], sampling, greedy[rows],
+                               sample_slot if leading else None)
         self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
         self._sampled_ids = out.device_token_ids
         return sampling, out

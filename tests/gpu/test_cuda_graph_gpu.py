@@ -88,9 +88,9 @@ def test_decode_graphs_of_each_context_bound_equal_eager(tmp_path, monkeypatch):
     used = set()
     run = graphs.run
 
-    def recording_run(bs, max_seq_len):
+    def recording_run(bs, max_seq_len, screened=False):
         used.add(next(b for b in graphs.bounds_of(bs) if b >= max_seq_len))
-        return run(bs, max_seq_len)
+        return run(bs, max_seq_len, screened)
 
     monkeypatch.setattr(graphs, "run", recording_run)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

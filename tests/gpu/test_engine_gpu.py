@@ -136,6 +136,31 @@ def test_half_precision_tokens_are_near_greedy(hf_model_dir, options, tolerance)
         assert bool((gap <= tolerance * spread).all()), (gap / spread).max().item()
 
 
+def test_screened_lm_head_gives_the_whole_heads_tokens(hf_model_dir, monkeypatch):
+    """Decode steps of one sequence whose token is its plain argmax replay the graph of the screened LM head
+    (ops.triton.greedy_head, which recomputes only the head tiles that can hold the argmax): prompt by prompt,
+    the same bf16 tokens as graphs that compute every logit (PAGEDLLM_GREEDY_SCREEN=0). float16 heads:
+    test_greedy_head_gpu.py."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.worker.cuda_graph import SCREEN_ENV_VAR, DecodeGraphs
+    path, model = hf_model_dir
+    replays, run = [], DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, bs, max_seq_len, screened=False:
+                        replays.append(screened) or run(self, bs, max_seq_len, screened))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tokens = {}
+    for screen in ("1", "0"):
+        monkeypatch.setenv(SCREEN_ENV_VAR, screen)
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=2048, max_model_len=4096, max_num_seqs=8)
+        assert (llm.engine.runner.decode_graphs.screen is not None) == (screen == "1")
+        tokens[screen] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+                          for p in prompts(model.config.vocab_size)]
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens["1"] == tokens["0"]
+    assert replays.count(True) >= len(PROMPT_LENS) * (MAX_TOKENS - 2)
+
+
 @torch.inference_mode()
 def test_cuda_backend_greedy_equals_triton(hf_model_dir):
     """Same decode math in another kernel; in bf16 only the summation order differs, so the two runs agree
