@@ -1,5 +1,5 @@
 """The screened greedy LM head (pagedllm.ops.triton.greedy_head) against head_linear + argmax, on CPU under the
-Triton interpreter (float16): the same token for every row, ties and near-ties below the int8 codes' resolution
+Triton interpreter (float16): the same token, ties and near-ties below the int8 codes' resolution
 included, and a screen whose bounds hold and are tight enough to leave few rows to recompute.
 tests/gpu/test_greedy_head_gpu.py runs the same checks in bfloat16 at Qwen3-0.6B's head."""
 import os
