@@ -29,7 +29,7 @@ def _config(*values):
 def _passed_tiles(screen, x):
     """Head tiles (64 rows) holding a row that passes the screen."""
     hi, t = screen.bounds(x)
-    return int((hi >= t - abs(t) * greedy_head.MARGIN[x.dtype]).view(-1, greedy_head.HEAD_TILE).any(dim=1).sum())
+    return int((hi >= greedy_head.threshold(t, x.dtype)).view(-1, greedy_head.HEAD_TILE).any(dim=1).sum())
 
 
 def _engine_hidden_states(steps: int) -> tuple[torch.Tensor, torch.Tensor]:

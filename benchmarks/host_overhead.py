@@ -55,8 +55,8 @@ def install_cpu_decode_graphs(runner) -> None:
     graphs = DecodeGraphs(runner.model, runner.device, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
     for bs in graphs.sizes:
         for bound in graphs.bounds_of(bs):
-            graphs.graphs[bs, bound] = types.SimpleNamespace(replay=lambda: None)
-            graphs.outputs[bs, bound] = torch.zeros(bs, runner.hf_config.hidden_size, dtype=runner.dtype)
+            graphs.graphs[bs, bound, False] = types.SimpleNamespace(replay=lambda: None)
+            graphs.outputs[bs, bound, False] = torch.zeros(bs, runner.hf_config.hidden_size, dtype=runner.dtype)
     head_rows = max((bs for bs in graphs.sizes if bs <= HEAD_MAX_BATCH), default=0)
     if head_rows:
         graphs.logits = torch.zeros(head_rows, runner.hf_config.vocab_size, dtype=runner.dtype)

@@ -1,7 +1,8 @@
 """The screened greedy LM head (pagedllm.ops.triton.greedy_head) against head_linear + argmax, on CPU under the
-Triton interpreter (float16): the same token, ties and near-ties below the int8 codes' resolution
-included, and a screen whose bounds hold and are tight enough to leave few rows to recompute.
-tests/gpu/test_greedy_head_gpu.py runs the same checks in bfloat16 at Qwen3-0.6B's head."""
+Triton interpreter (float16): the same token, ties and near-ties below the int8 codes' resolution included, logits
+that round to equal subnormals or overflow to infinity, and a screen whose bounds hold and are tight enough to leave
+few rows to recompute. tests/gpu/test_greedy_head_gpu.py compares the tokens in bfloat16 and float16 at Qwen3-0.6B's
+and Llama 3 8B's heads."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -13,7 +14,7 @@ pytest.importorskip("triton")
 
 from pagedllm.ops.triton import fused, greedy_head, linear  # noqa: E402
 
-VOCAB, HIDDEN = 4352, 256  # five pick programs (1024 rows), the last ragged
+VOCAB, HIDDEN = 4416, 256  # 18 pick programs (256 rows), the last one of one tile
 
 
 def _head(seed: int, vocab: int = VOCAB) -> torch.Tensor:
@@ -40,7 +41,7 @@ def test_ties_and_near_ties_go_to_the_first_row():
     x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(6)).half()
     top = int(_expected(x, weight))
     tied = weight.clone()
-    tied[[7, 3000, 4351]] = weight[top]  # exact copies, one before the winner in another chunk
+    tied[[7, 3000, 4415]] = weight[top]  # exact copies, one before the winner in another pick program
     screen = greedy_head.ScreenedHead(tied)
     assert int(screen.greedy(x)) == int(_expected(x, tied)) == min(7, top)
     near = weight.clone()
@@ -54,17 +55,38 @@ def test_ties_and_near_ties_go_to_the_first_row():
 
 
 def test_screen_bounds_hold_and_prune():
-    """Every logit lies within the screen's bounds, and the rows that could hold the largest are few."""
+    """Every logit, exact and as head_linear sums it, lies below the screen's upper bound, T below the largest, and
+    the rows that could hold the largest are few; greedy() leaves the slots of T at -inf for the next step."""
     weight = _head(8)
     screen = greedy_head.ScreenedHead(weight)
     x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(9)).half()
-    hi, threshold = screen.bounds(x)
+    hi, t = screen.bounds(x)
     exact = (x.double() @ weight.double().T)[0]
-    assert (exact <= hi.double()).all()
-    assert threshold <= exact.max()
-    passed = int((hi >= threshold - abs(threshold) * greedy_head.MARGIN[torch.float16]).sum())
+    summed = linear.head_linear(x, weight).double()[0]  # rounded to float16: within its rounding of the sum
+    assert (exact <= hi.double()).all() and (summed <= hi.double() * (1 + 2.0 ** -10) + 2.0 ** -24).all()
+    assert t <= exact.max()
+    passed = int((hi >= greedy_head.threshold(t, torch.float16)).sum())
     assert 1 <= passed <= 16, passed
-    assert (screen.top == float("-inf")).all()  # ready for the next step
+    screen.top.fill_(0.0)
+    screen.greedy(x)
+    assert (screen.top == float("-inf")).all()
+
+
+# (x's one nonzero input, row 0's weight there, row 100's): logits 2^-20 - 2^-26 and 2^-20 (both 2^-20 in float16,
+# whose subnormals are 2^-24 apart), and ~7e4 and ~1.3e6 (both infinity)
+@pytest.mark.parametrize("x0,w0,w100", [(2.0 ** -10, 2.0 ** -10 - 2.0 ** -16, 2.0 ** -10), (256.0, 273.5, 5078.0)],
+                         ids=["subnormal", "overflow"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's, meant
+def test_logits_that_round_alike_outside_the_normal_range(x0, w0, w100):
+    """float16 logits among the subnormals (a fixed unit apart, not a relative one) or past its largest value tie
+    once rounded: the first row wins, as in head_linear's argmax, though the screen ranks the later one higher."""
+    x = torch.zeros(1, 128, dtype=torch.float16)
+    x[0, 0] = x0
+    weight = torch.zeros(256, 128, dtype=torch.float16)
+    weight[0, 0], weight[100, 0] = w0, w100  # int8 codes of 127, exact
+    logits = linear.head_linear(x, weight)[0]
+    assert logits[0] == logits[100] and logits[0] > 0
+    assert int(greedy_head.ScreenedHead(weight).greedy(x)) == int(_expected(x, weight)) == 0
 
 
 def test_zero_rows_and_bad_input():

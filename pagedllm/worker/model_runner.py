@@ -253,7 +253,7 @@ class ModelRunner:
             return [], None
         decode_only = items[-1].num_new_tokens == 1
         graphs = self.decode_graphs
-        head = None  # (logits, greedy ids) of every row, where the step's graph computed them
+        head = None  # (logits or None where screened, greedy ids) of every row, where the step's graph computed them
         sample_slot = None  # where the graph also writes the greedy ids on the host
         if graphs is not None and decode_only and graphs.fits(len(items)):
             size = graphs.padded_size(len(items))

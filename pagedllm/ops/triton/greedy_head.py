@@ -12,13 +12,14 @@ logit head_linear computes can lie from it:
 with ||W_v - s_v q_v|| and ||W_v|| computed once, in float64, when the screen is built (ScreenedHead). The
 largest A_v - B_v, T, is a lower bound on the largest logit. Only a row whose A_v + B_v reaches T can hold it,
 or tie with it once the logits are rounded to the model dtype (head_linear's output): the threshold is T less
-two units in the last place of the dtype (MARGIN). The pick kernel recomputes each 64-row tile of the head
-holding such a row with head_linear's own code (linear.tile_sums: same tiles, same MMA order, so the same float32
-sums bit for bit), rounds the logits as head_linear stores them, and keeps the first largest: the token
-head_linear + argmax would give, whatever x is. Few tiles pass: on the H100 (benchmarks/greedy_head.py), with the
-hidden states of a random-weight Qwen3-0.6B decoding, 7 of its 2374 on average (15 at most), and the head + argmax
-took 64 us instead of 105; with random x on Llama 3 8B's head (K = 4096 widens the bound) 145 of 2004, 217-248 us
-instead of 345. Many near-equal logits make more tiles pass, which is slower, never wrong.
+two units in the last place of the dtype, any logit that may round to infinity passing (threshold_terms). The pick
+kernel recomputes each 64-row tile of the head holding such a row with head_linear's own code (linear.tile_sums:
+same tiles, same MMA order, so the same float32 sums bit for bit), rounds the logits as head_linear stores them, and
+keeps the first largest: the token head_linear + argmax would give, whatever x is (but for NaN, as argmax). Few tiles
+pass: on the H100 (benchmarks/greedy_head.py), with the hidden states of a random-weight Qwen3-0.6B decoding, 7 of
+its 2374 on average (15 at most), and the head + argmax took 64 us instead of 105; with random x on Llama 3 8B's head
+(K = 4096 widens the bound) 145 of 2004, 217-248 us instead of 345. Many near-equal logits make more tiles pass,
+which is slower, never wrong.
 
 The int8 codes are stored as bytes q + 128, four to an int32 word, and widened exactly with integer instructions
 (2^23 + u as a float32's bits, less 2^23 + 128): a conversion instruction would issue at a quarter of the rate.
@@ -46,8 +47,9 @@ PICK_TILES = 4  # head tiles a pick program checks
 # the atomics do not queue on one address); the argmax kernel after the pick sets them back to -inf.
 TOP_SLOTS = 64
 # A unit in the last place of a logit rounded to the dtype, relative to it (at most 2^-7 for bfloat16's 8
-# significant bits, 2^-10 for float16's 11): two logits that round to the same value are at most that far apart.
-# Twice that, for the threshold's own float32 rounding.
+# significant bits, 2^-10 for float16's 11): two normal logits that round to the same value are at most that far
+# apart. Twice that, for the threshold's own float32 rounding. Below the dtype's smallest normal value the units are
+# fixed (threshold_terms), and from its largest on everything rounds to infinity.
 MARGIN = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9}
 
 
@@ -82,13 +84,14 @@ def _screen_kernel(x, codes, scale, bound, hi, top, V, gamma, K: tl.constexpr, W
 
 
 @triton.jit
-def _pick_kernel(x, w_desc, hi, top, values, indices, V, margin, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, STAGES: tl.constexpr, TILES: tl.constexpr, SLOTS: tl.constexpr,
+def _pick_kernel(x, w_desc, hi, top, values, indices, V, margin, tiny, cap, K: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, TILES: tl.constexpr, SLOTS: tl.constexpr,
                  PDL: tl.constexpr):
     pdl.start(PDL)
     part = tl.program_id(0)
     t = tl.max(tl.load(top + tl.arange(0, SLOTS)), axis=0)
-    threshold = t - tl.abs(t) * margin
+    # logits within a rounding of T (relative, or absolute among the subnormals), and any that may round to infinity
+    threshold = tl.minimum(t - tl.abs(t) * margin - tiny, cap)
     n = part * TILES * BN + tl.arange(0, TILES * BN)
     passed = (tl.load(hi + n, mask=n < V, other=float("-inf")) >= threshold).to(tl.int32)
     tiles = tl.max(tl.reshape(passed, [TILES, BN]), axis=1)
@@ -111,6 +114,19 @@ def _pick_kernel(x, w_desc, hi, top, values, indices, V, margin, K: tl.constexpr
     tl.store(indices + part, best_n.to(tl.int64))
 
 
+def threshold_terms(dtype: torch.dtype) -> tuple[float, float, float]:
+    """(relative margin, absolute margin, cap) of the pick's threshold for logits of dtype: T - |T| margin - tiny,
+    at most the dtype's largest finite value (a logit from there on may round to infinity, a tie)."""
+    info = torch.finfo(dtype)
+    return MARGIN[dtype], info.tiny, info.max
+
+
+def threshold(t: float, dtype: torch.dtype) -> float:
+    """The pick kernel's threshold for T = t (benchmarks and tests: which rows pass)."""
+    margin, tiny, cap = threshold_terms(dtype)
+    return min(t - abs(t) * margin - tiny, cap)
+
+
 class ScreenedHead:
     """The int8 screen of an LM head weight [V, K] (16-bit, V a multiple of 64, K of 128: head_linear's tiles),
     built once: codes (int32 [V, K / 4], bytes q + 128), scale (float32 [V]) and bound (float32 [2, V]:
@@ -126,16 +142,17 @@ class ScreenedHead:
         self.codes = torch.empty(v, k, dtype=torch.uint8, device=weight.device)
         self.scale = torch.empty(v, dtype=torch.float32, device=weight.device)
         self.bound = torch.empty(2, v, dtype=torch.float32, device=weight.device)
-        for r in range(0, v, 8192):  # float64 copies of a slice at a time
-            w = weight[r:r + 8192].double()
+        step = max(1, 2 ** 23 // k)  # rows a slice: its float64 temporaries take ~4 x 64 MB
+        for r in range(0, v, step):
+            w = weight[r:r + step].double()
             s = (w.abs().amax(dim=1) / 127).float()
             q = torch.where(s[:, None] > 0, w / s.double()[:, None], 0.0).round().clamp(-127, 127)
             err = (w - q * s.double()[:, None]).norm(dim=1)
-            self.codes[r:r + 8192] = (q + 128).to(torch.uint8)
-            self.scale[r:r + 8192] = s
+            self.codes[r:r + step] = (q + 128).to(torch.uint8)
+            self.scale[r:r + step] = s
             # the float32 copies of float64 norms rounded up (2^-20 exceeds their rounding)
-            self.bound[0, r:r + 8192] = err * (1 + 2.0 ** -20)
-            self.bound[1, r:r + 8192] = (w.norm(dim=1) + err) * (1 + 2.0 ** -20)
+            self.bound[0, r:r + step] = err * (1 + 2.0 ** -20)
+            self.bound[1, r:r + step] = (w.norm(dim=1) + err) * (1 + 2.0 ** -20)
         self.codes = self.codes.view(torch.int32)
         # -inf between calls: the screen's atomics raise it, the argmax after the pick resets it (so the kernels of
         # one ScreenedHead must not run on two streams at once)
@@ -179,7 +196,7 @@ class ScreenedHead:
         values = torch.empty(1, parts, dtype=torch.float32, device=x.device)
         indices = torch.empty(1, parts, dtype=torch.int64, device=x.device)
         w_desc = TensorDescriptor(self.weight, [v, k], [self.weight.stride(0), 1], [HEAD_TILE, 128])
-        _pick_kernel[(parts,)](x, w_desc, hi, self.top, values, indices, v, MARGIN[x.dtype], K=k, BM=16,
+        _pick_kernel[(parts,)](x, w_desc, hi, self.top, values, indices, v, *threshold_terms(x.dtype), K=k, BM=16,
                                BN=HEAD_TILE, BK=128, STAGES=4, TILES=PICK_TILES, SLOTS=TOP_SLOTS, num_warps=4,
                                enable_fp_fusion=False, **pdl.options(x))  # head_linear's tiles
         return argmax_of_chunks(values, indices, out, host, host_slot, reset=self.top)
