@@ -2,6 +2,7 @@
 through chunked prefills, prefix-cache hits and preemptions; the upload (copies or zero-copy kernels) fills
 placeholder input ids from the previous samples; decode steps through the decode graphs' static inputs sample what
 eager steps do."""
+import json
 import math
 import random
 
@@ -12,6 +13,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.shapes import model_dir_for
 from pagedllm.layers.attention import set_forward_context
+from pagedllm.worker import cuda_graph
 from pagedllm.worker.cuda_graph import DecodeGraphs
 from pagedllm.worker.model_runner import StepInputs
 
@@ -225,3 +227,21 @@ def test_plain_greedy_steps_of_one_sequence_take_the_screened_graph():
         outputs = [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for llm in (graph_llm, eager_llm)]
         assert outputs[0].token_ids == outputs[1].token_ids and len(outputs[0].token_ids) == 8
         assert {s for bs, _, s in replays} == screened and {bs for bs, _, _ in replays} == {1}
+
+
+@pytest.mark.parametrize("hidden,dtype,env,screened", [(128, torch.float16, "1", True), (128, torch.float16, "0", False),
+                                                       (128, torch.float32, "1", False), (64, torch.float16, "1", False)])
+def test_kv_budget_holds_room_for_the_screen_only_where_one_is_built(monkeypatch, tmp_path, hidden, dtype, env,
+                                                                      screened):
+    """The decode graphs' LM head screen (V x K + 12 V bytes) is taken from the KV cache's budget exactly where
+    capture builds one: 16-bit heads of head_linear's tiles on the fused path, the screen not switched off."""
+    from pagedllm.bench.shapes import TINY
+    from pagedllm.ops.triton import fused
+    monkeypatch.setattr(cuda_graph, "fused_kernels", lambda x: fused)  # as on a GPU
+    monkeypatch.setenv(cuda_graph.SCREEN_ENV_VAR, env)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY, "hidden_size": hidden, "head_dim": hidden // 4}))
+    model = LLM(model_dir_for(str(config)), load_format="dummy", device="cpu", dtype=dtype, max_model_len=128).engine.runner.model
+    vocab, k = model.head_weight().shape
+    assert cuda_graph.screen_bytes(model) == screened * (vocab * k + 12 * vocab)
+    assert (cuda_graph._screened_head(model) is not None) == screened

@@ -182,20 +182,31 @@ class DecodeGraphs(_Ladder):
         return self.outputs[key]
 
 
-def _screened_head(model: torch.nn.Module):
-    """The int8 screen of the model's LM head for greedy steps of one sequence, where the fused kernels run it and
-    SCREEN_ENV_VAR does not switch it off."""
+def _screen_weight(model: torch.nn.Module) -> torch.Tensor | None:
+    """The LM head weight the decode graphs screen for greedy steps of one sequence (DecodeGraphs.screen): the
+    model's, where the fused kernels run it, SCREEN_ENV_VAR does not switch the screen off and ScreenedHead takes
+    its shape and dtype; else None."""
     weight = model.head_weight()
     if (fused_kernels(weight) is None
             or os.environ.get(SCREEN_ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no")):
         return None
     from pagedllm.ops.triton.greedy_head import ScreenedHead
-    return ScreenedHead(weight) if ScreenedHead.supported(weight[:1], weight) else None
+    return weight if ScreenedHead.supported(weight[:1], weight) else None
 
 
-def screen_bytes(vocab_size: int, hidden_size: int) -> int:
-    """Device memory the screen of a [vocab_size, hidden_size] LM head takes (greedy_head.ScreenedHead)."""
-    return vocab_size * hidden_size + 12 * vocab_size
+def _screened_head(model: torch.nn.Module):
+    weight = _screen_weight(model)
+    if weight is None:
+        return None
+    from pagedllm.ops.triton.greedy_head import ScreenedHead
+    return ScreenedHead(weight)
+
+
+def screen_bytes(model: torch.nn.Module) -> int:
+    """Device memory the decode graphs' screen of the model's LM head takes (greedy_head.ScreenedHead), 0 where
+    they build none."""
+    weight = _screen_weight(model)
+    return 0 if weight is None else weight.shape[0] * weight.shape[1] + 12 * weight.shape[0]
 
 
 def _powers_of_two(low: int, high: int) -> list[int]:

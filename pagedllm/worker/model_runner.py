@@ -117,8 +117,8 @@ class ModelRunner:
             q_width = hf.num_attention_heads * self.head_size
             activations = (((cfg.max_num_batched_tokens + graph_tokens) * width + 2 * graph_tokens * q_width)
                            * self.dtype.itemsize + 3 * cfg.max_num_seqs * hf.vocab_size * 4)
-            if decode_graphs:  # the LM head's int8 screen they may build (DecodeGraphs.screen)
-                activations += screen_bytes(hf.vocab_size, hf.hidden_size)
+            if decode_graphs:  # the LM head's int8 screen they build, if any (DecodeGraphs.screen)
+                activations += screen_bytes(self.model)
             if self.sparse_prefill is not None and cfg.max_model_len >= cfg.xattn_min_prompt_len:
                 # a layer's sparse prefill of a chunk against a whole max_model_len context
                 activations += prefill_workspace_bytes(
