@@ -102,10 +102,10 @@ def _prefill(model, ids, pages, n):
         model(ids[:n], pos)
 
 
-def _decode(model, seqs, bound=None):
+def _decode(model, seqs, bound=None, share=False):
     """Logits of one decode step of the sequences (ids, pages, context): each one's token context - 1, where a
     context of 0 is a CUDA graph's padding row (slot -1, seq_len 0, block table of zeros). The metadata bounds the
-    contexts by `bound`, as a CUDA graph's does, else by the longest."""
+    contexts by `bound`, as a CUDA graph's does, else by the longest; share: its decode_rows_share_blocks."""
     contexts = torch.tensor([c for _, _, c in seqs])
     pos = (contexts - 1).clamp(min=0)
     table = torch.zeros(len(seqs), max(len(pages) for _, pages, _ in seqs), dtype=torch.int32)
@@ -116,7 +116,7 @@ def _decode(model, seqs, bound=None):
             slots[i] = pages[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK
     ids = torch.stack([ids[c - 1] if c else ids[0] for ids, _, c in seqs])
     meta = AttentionMetadata(slots, len(seqs), table, contexts.to(torch.int32), bound or int(contexts.max()), None,
-                             None, None, 0, 0)
+                             None, None, 0, 0, decode_rows_share_blocks=share)
     with set_forward_context(meta), torch.no_grad():
         return model.compute_logits(model(ids, pos))
 
@@ -290,6 +290,50 @@ def test_more_rows_than_the_kernel_takes_keep_the_layers(tmp_path, monkeypatch):
         assert isinstance(plan, fused_decode.FusedDecode) == (rows == decode_layer.MAX_ROWS)
 
 
+def test_a_row_reading_the_block_another_row_completes_keeps_the_layers(tmp_path, monkeypatch):
+    """A step in which one row's token completes a block that the other row holds (a prefix-cache hit in the same
+    step: AttentionMetadata.decode_rows_share_blocks) runs the layers, which write every row's K/V before attending.
+    The kernel would read that slot before it is written, here the NaN a reused block held (the runner puts the
+    longer row first, so the interpreter runs it before the row that writes)."""
+    model = _model(tmp_path, "qwen3", torch.float32)
+    _bind_caches(model, "hnd", 4, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    ids_a = torch.randint(0, 96, (BLOCK,), generator=gen)
+    ids_b = torch.cat([ids_a, torch.randint(0, 96, (1,), generator=gen)])
+    shared = torch.tensor([2])
+    _prefill(model, ids_a, shared, BLOCK - 1)
+    seqs = [(ids_b, torch.tensor([2, 0]), BLOCK + 1), (ids_a, shared, BLOCK)]
+    before = _caches(model)
+    reference = _decode(model, seqs)
+    _restore(model, before)
+    _poison_slot(model, shared, BLOCK - 1)
+    calls = _use_kernel(model, monkeypatch)
+    torch.testing.assert_close(_decode(model, seqs, share=True), reference)
+    assert calls == []
+    _restore(model, before)
+    _decode(model, seqs)  # the same step unflagged takes the kernel
+    assert calls == [0, 1]
+
+
+def _use_kernel(model, monkeypatch):
+    """Sends the model's decode steps of CPU tensors through the kernel (the default mode's plan); returns the list
+    into which each of the kernel's layer calls puts its layer index."""
+    for module in (norm, activation, rotary, linear, fused_decode):  # CPU tensors take the kernels too
+        monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
+    from pagedllm.ops.triton.decode_layer import DecoderLayerKernel
+    calls = []
+    monkeypatch.setattr(DecoderLayerKernel, "__call__",
+                        lambda self, *a, f=DecoderLayerKernel.__call__, **kw: calls.append(a[0]) or f(self, *a, **kw))
+    # 8 programs (an H100 gets 128): several row tiles per program; attention in 16-key tiles at 37 tokens and in
+    # 32-key ones at 300 (partitions longer than a tile: 48 tokens each with one kv head, a tile and a masked
+    # half tile; the last one empty)
+    attn = model.model.layers[0].self_attn
+    kernel = DecoderLayerKernel(model.config.hidden_size, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                attn.qkv_proj.weight.dtype, torch.device("cpu"), num_programs=8)
+    model.model._fused_decode = {"auto": fused_decode.FusedDecode(model.model, kernel)}  # the default mode's
+    return calls
+
+
 def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, contexts, bound=None):
     """One decode step of sequences of these contexts (0: a padding row) through the kernel against the layers."""
     model = _model(tmp_path, arch, dtype)
@@ -313,19 +357,7 @@ def _check_decode_step(tmp_path, monkeypatch, arch, layout, dtype, rel, contexts
     for _, pages, c in seqs:
         if c:
             _poison_slot(model, pages, c - 1)
-    for module in (norm, activation, rotary, linear, fused_decode):  # CPU tensors take the kernels too
-        monkeypatch.setattr(module, "fused_kernels", lambda x: _fused())
-    from pagedllm.ops.triton.decode_layer import DecoderLayerKernel
-    calls = []
-    monkeypatch.setattr(DecoderLayerKernel, "__call__",
-                        lambda self, *a, f=DecoderLayerKernel.__call__, **kw: calls.append(a[0]) or f(self, *a, **kw))
-    # 8 programs (an H100 gets 128): several row tiles per program; attention in 16-key tiles at 37 tokens and in
-    # 32-key ones at 300 (partitions longer than a tile: 48 tokens each with one kv head, a tile and a masked
-    # half tile; the last one empty)
-    attn = model.model.layers[0].self_attn
-    kernel = DecoderLayerKernel(model.config.hidden_size, 96, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                dtype, torch.device("cpu"), num_programs=8)
-    model.model._fused_decode = {"auto": fused_decode.FusedDecode(model.model, kernel)}  # the default mode's
+    calls = _use_kernel(model, monkeypatch)
     logits = _decode(model, seqs, bound)
     assert calls == [0, 1]  # the kernel ran each layer
     real = [i for i, c in enumerate(contexts) if c]  # a padding row's logits are anything finite

@@ -245,3 +245,26 @@ def test_kv_budget_holds_room_for_the_screen_only_where_one_is_built(monkeypatch
     vocab, k = model.head_weight().shape
     assert cuda_graph.screen_bytes(model) == screened * (vocab * k + 12 * vocab)
     assert (cuda_graph._screened_head(model) is not None) == screened
+
+
+def test_a_decode_row_reading_the_block_another_row_completes_is_marked(monkeypatch):
+    """Synchronous steps: A's decode token completes its first block, which the prefix cache already offers to B,
+    admitted in the same step with one token left to compute: a decode-only step in which B reads the slot A writes.
+    The runner marks it (AttentionMetadata.decode_rows_share_blocks), which keeps it off the fused decoder-layer
+    kernel and the decode graphs; the steps after it share no written block."""
+    llm = LLM(model_dir_for("tiny"), load_format="dummy", device="cpu", max_model_len=256, block_size=16,
+              async_scheduling=False)
+    engine, marks = llm.engine, []
+    metadata = engine.runner._metadata
+    monkeypatch.setattr(engine.runner, "_metadata", lambda step, dev, shared=False: marks.append(
+        (step.num_decodes, len(step.prefill_seq_lens), shared)) or metadata(step, dev, shared))
+    prompt = list(range(1, 16))
+    engine.add_request("A", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    (first,) = engine.step()
+    engine.add_request("B", prompt + first.outputs[0].token_ids + [7],
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    a, b = (engine.kv_cache_manager.get_block_ids(r) for r in engine.scheduler.running)
+    assert a[0] == b[0]  # B took A's first block from the prefix cache
+    engine.step()
+    assert marks == [(0, 1, False), (2, 0, True), (2, 0, False)]

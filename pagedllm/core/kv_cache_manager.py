@@ -72,7 +72,8 @@ class KVCacheManager:
         new_computed_blocks / num_new_computed_tokens are a fresh prefix hit from get_computed_blocks.
         Blocks that become full once this step's tokens are computed are registered in the cache now: a
         request scheduled later in the same step may hit them, which is sound because every layer writes
-        the K/V of the whole batch before its attention reads any of it.
+        the K/V of the whole batch before its attention reads any of it (the runner keeps such a decode step
+        off the fused decoder-layer kernel, which reads cached keys before the step's writes land).
         Returns the newly added blocks.
         """
         if num_new_tokens < 1:

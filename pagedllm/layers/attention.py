@@ -49,6 +49,11 @@ class AttentionMetadata:
     prefill_max_query_len: int
     prefill_max_seq_len: int
     sparse_prefill: SparsePrefill | None = None
+    # A decode row reads a KV block that another row writes in this step: a prefix-cache hit, by a request scheduled
+    # later in the step, on the block an earlier one's token completes (KVCacheManager registers a block when the
+    # step that fills it is scheduled). Kernels that read a row's cached keys before the step's writes land (the
+    # fused decoder-layer kernel, models/fused_decode.py) must leave such a step to the layers.
+    decode_rows_share_blocks: bool = False
     # Set while piecewise CUDA graphs are captured (worker/cuda_graph.py): each layer rotates its q into
     # graph_split.q, then graph_split.split(layer) ends the graph there and returns where the attention
     # output will be.

@@ -4,7 +4,8 @@ path: by default the Triton decoder-layer kernel (pagedllm.ops.triton.decode_lay
 
 LlamaModel.forward asks `fused_decode` on every forward pass; it answers only for a decode-only step (the forward
 context says so) of few enough sequences whose layers the kernel covers, so everything else (prefills, larger batches,
-fp8 caches, ALiBi, biases outside q/k/v) keeps the layers' own path. The CUDA kernel takes one sequence.
+fp8 caches, ALiBi, biases outside q/k/v, a row reading a block another row writes in the step) keeps the layers' own
+path. The CUDA kernel takes one sequence.
 PAGEDLLM_DECODE_LAYER: unset or 1 takes the kernel only where it requests each program's weight shares whole (where they
 would stream in slices, as Llama 3 8B's do, the layers are faster); "triton" takes it wherever it runs; 0 turns it off
 (the layers' fused path then runs those steps, as before); "persistent" runs each layer as one launch with grid barriers
@@ -129,7 +130,7 @@ def fused_decode(model, input_ids: torch.Tensor) -> FusedDecode | CudaDecode | N
     if fused_kernels(input_ids) is None:
         return None
     meta = get_forward_context()
-    if (meta.num_decode_tokens != rows or meta.graph_split is not None
+    if (meta.num_decode_tokens != rows or meta.graph_split is not None or meta.decode_rows_share_blocks
             or model.layers[0].self_attn.attn.kv_cache_dtype != "auto"):
         return None
     plans = getattr(model, "_fused_decode", None)

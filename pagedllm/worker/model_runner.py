@@ -199,7 +199,8 @@ class ModelRunner:
             logits_indices=(np.cumsum(num_new) - 1)[sample],
         )
 
-    def _metadata(self, step: StepInputs, dev: dict[str, torch.Tensor]) -> AttentionMetadata:
+    def _metadata(self, step: StepInputs, dev: dict[str, torch.Tensor],
+                  decode_rows_share_blocks: bool = False) -> AttentionMetadata:
         has_decode, has_prefill = step.num_decodes > 0, len(step.prefill_seq_lens) > 0
         prefill_max_seq_len = int(step.prefill_seq_lens.max(initial=0))
         long_prefill = prefill_max_seq_len >= self.config.xattn_min_prompt_len
@@ -215,6 +216,7 @@ class ModelRunner:
             prefill_max_query_len=int(np.diff(step.prefill_query_start_loc).max(initial=0)),
             prefill_max_seq_len=prefill_max_seq_len,
             sparse_prefill=self.sparse_prefill if long_prefill else None,
+            decode_rows_share_blocks=decode_rows_share_blocks,
         )
 
     def _upload(self, step: StepInputs, static: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -252,10 +254,12 @@ class ModelRunner:
         if not items:
             return [], None
         decode_only = items[-1].num_new_tokens == 1
+        # The decode graphs hold the fused decoder-layer kernel, which such a step must not take (AttentionMetadata).
+        shared = decode_only and _rows_share_written_blocks(items, blocks_of, self.block_size)
         graphs = self.decode_graphs
         head = None  # (logits or None where screened, greedy ids) of every row, where the step's graph computed them
         sample_slot = None  # where the graph also writes the greedy ids on the host
-        if graphs is not None and decode_only and graphs.fits(len(items)):
+        if graphs is not None and decode_only and not shared and graphs.fits(len(items)):
             size = graphs.padded_size(len(items))
             step = self.prepare(items, blocks_of, size)
             sample_slot = graphs.take_sample_slot(size)
@@ -269,7 +273,7 @@ class ModelRunner:
         else:
             step = self.prepare(items, blocks_of)
             dev = self._upload(step)
-            meta = self._metadata(step, dev)
+            meta = self._metadata(step, dev, shared)
             if self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(step.input_ids)):
                 hidden = self.piecewise_graphs.run(dev["input_ids"], dev["positions"], meta)
             else:
@@ -291,6 +295,14 @@ class ModelRunner:
         self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
         self._sampled_ids = out.device_token_ids
         return sampling, out
+
+
+def _rows_share_written_blocks(items: list[ScheduledRequest], blocks_of: Callable[[Request], list[KVCacheBlock]],
+                               block_size: int) -> bool:
+    """Whether a decode row's token goes into a block that another request also holds. Only full blocks are shared,
+    so the token completes it and the step registered it in the prefix cache, where a request scheduled later in
+    the same step found it: that request's row reads the keys this row writes (AttentionMetadata)."""
+    return any(blocks_of(it.request)[it.num_computed_tokens // block_size].ref_cnt > 1 for it in items)
 
 
 class Uploader:

@@ -340,8 +340,10 @@ def _attend_partition(kv_head, part, cached, cos, sin, d, qkv, q_norm_w, eps, sc
     part_tokens = tl.cdiv(tl.cdiv(cached, NP), BLOCK_SIZE) * BLOCK_SIZE
     start = part * part_tokens
     end = tl.maximum(tl.minimum(start + part_tokens, cached), start)
-    # Every key here was cached by an earlier step, and the step's metadata arrived before the graph's first
-    # kernel, so the partition's first tile is requested before the wait for phase A, whose q it then waits for:
+    # Every key here was cached by an earlier step (the runner keeps steps in which a row reads a block that another
+    # row writes off this kernel: AttentionMetadata.decode_rows_share_blocks), and the step's metadata arrived before
+    # the graph's first kernel, so the partition's first tile is requested before the wait for phase A, whose q it
+    # then waits for:
     # its block-table and K/V loads leave the chain after that wait (benchmarks/results/README.md, thirteenth
     # session).
     g = tl.arange(0, GROUP_PAD)
