@@ -185,6 +185,8 @@ def test_stop_tokens_stop_strings_and_min_tokens_as_vllm(llm):
     assert run(max_tokens=12, stop=[","]).text == base.text[:first_comma]
     late = run(max_tokens=12, stop=[","], min_tokens=len(run(max_tokens=12, stop=[","]).token_ids) + 1)
     assert late.text == base.text[:base.text.index(",", first_comma + 1)] and late.finish_reason == "stop"
+    # Each stop string is searched for on its own: a longer one beside it does not bring back one within min_tokens.
+    assert run(max_tokens=12, stop=[",", "never-in-the-text"], min_tokens=len(late.token_ids) - 1).text == late.text
 
 
 @pytest.mark.parametrize("where,failing_call", [("execute", 3), ("read back", 3), ("schedule", 4)])

@@ -39,11 +39,13 @@ class IncrementalDetokenizer:
             return None
         delta = new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        searched = len(self.text)
         self.text += delta
         if self.num_generated <= self.min_tokens:
             return None
-        hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, start)) != -1]
+        # Each stop string only where it ends in the new text: one that lies wholly in what came before (a short
+        # one within min_tokens, beside a longer one) was searched for already or does not count.
+        hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, max(0, searched - len(s) + 1))) != -1]
         if not hits:
             return None
         idx, s = min(hits)
