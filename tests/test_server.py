@@ -172,6 +172,13 @@ def test_logprobs(client):
         # Greedy: the chosen token is the most likely one.
         assert len(top) == 3 and top[token] == logprob == max(top.values()) and logprob <= 0
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    # The sampled token is always among top_logprobs, beside the k most likely (as OpenAI and vLLM return them).
+    for k in (0, 1):
+        lp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=3,
+                                       logprobs=k).choices[0].logprobs
+        assert all(top[token] == logprob and len(top) <= k + 1
+                   for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+        assert k or all(len(top) == 1 for top in lp.top_logprobs)
 
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0,
                                           logprobs=True, top_logprobs=2)

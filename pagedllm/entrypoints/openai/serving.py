@@ -314,7 +314,10 @@ class OpenAIServing:
             text = self._text(tid, entry[tid])
             out.tokens.append(text)
             out.token_logprobs.append(entry[tid].logprob)
-            out.top_logprobs.append({self._text(t, lp): lp.logprob for t, lp in self._top(entry, gen.params.logprobs)})
+            # As OpenAI and vLLM: the sampled token's logprob is always there, beside the top ones (up to k + 1).
+            top = dict(self._top(entry, gen.params.logprobs))
+            top.setdefault(tid, entry[tid])
+            out.top_logprobs.append({self._text(t, lp): lp.logprob for t, lp in top.items()})
             out.text_offset.append(offsets[d.index])
             offsets[d.index] += len(text)
         return out
