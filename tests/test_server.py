@@ -388,6 +388,9 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(10**9): 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(10**9): 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    # ids the tokenizer cannot even decode for the echo
+    ("/v1/completions", {"prompt": [-1], "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 2**40]], "echo": True}, "prompt"),
 ])
 def test_bad_requests_name_the_field_at_fault(server, path, body, param):
     status, error = post(server, path, body)

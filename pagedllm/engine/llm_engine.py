@@ -94,7 +94,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
+        self.validate_prompt(token_ids)
         max_tokens = self.config.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -127,7 +127,8 @@ class LLMEngine:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """Raises ValueError naming what is wrong with a prompt's token ids."""
         if not token_ids:
             raise ValueError("prompt is empty: at least one token is needed")
         vocab = self.hf_config.vocab_size

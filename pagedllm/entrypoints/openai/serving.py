@@ -214,8 +214,15 @@ class OpenAIServing:
     def _prepare_prompts(self, prompts: list[str | list[int]], echo: bool) -> list[tuple[str | None, list[int]]]:
         """On the engine thread: (prompt text, token ids) per prompt; token-id prompts get text only for echo."""
         tok = self.tokenizer
-        return [(p, tok(p).input_ids) if isinstance(p, str) else (tok.decode(p) if echo else None, p)
+        return [(p, tok(p).input_ids) if isinstance(p, str) else (self._decode_prompt(p) if echo else None, p)
                 for p in prompts]
+
+    def _decode_prompt(self, token_ids: list[int]) -> str:
+        try:  # the ids the engine would reject first: the tokenizer fails on some of them (ids past 2^32)
+            self.engine.engine.validate_prompt(token_ids)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from e
+        return self.tokenizer.decode(token_ids)
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
