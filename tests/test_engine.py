@@ -253,6 +253,19 @@ def test_cli_generate(capsys):
     assert "### The capital of France is" in out and "Paris" in out
 
 
+def test_every_engine_option_is_a_flag_of_its_type():
+    import dataclasses
+    from pagedllm.config import EngineConfig
+    from pagedllm.entrypoints.cli import build_parser, engine_kwargs
+    values = {"str": "xattention", "int": "7", "float": "0.5"}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model" or f.type == "bool":
+            continue
+        kind = next(k for k in ("int", "float", "str") if k in f.type.split(" | "))
+        args = build_parser().parse_args(["serve", "--" + f.name.replace("_", "-"), values[kind]])
+        assert engine_kwargs(args)[f.name] == {"str": str, "int": int, "float": float}[kind](values[kind]), f.name
+
+
 def test_xattention_prefill_at_threshold_one_equals_dense(llm, prompts, monkeypatch):
     from pagedllm.ops import xattention
     calls = []

@@ -8,9 +8,14 @@ import sys
 
 from pagedllm.config import EngineConfig
 
-# Flags whose type cannot be read off the dataclass default (None or a union).
-_FLAG_TYPES = {"tokenizer": str, "device": str, "dtype": str, "max_model_len": int, "num_kv_blocks": int,
-               "max_num_batched_tokens": int, "attention_backend": str}
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _flag_type(field: dataclasses.Field) -> type:
+    """The flag's type: the first of int, float and str in the field's annotation (a string: the module postpones
+    them), so that fields whose default is None ("int | None") parse too."""
+    names = [name.strip() for name in str(field.type).split("|")]
+    return next(_FLAG_TYPES[name] for name in names if name in _FLAG_TYPES)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            group.add_argument(flag, type=_FLAG_TYPES.get(f.name, type(f.default)), default=f.default)
+            group.add_argument(flag, type=_flag_type(f), default=f.default)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
