@@ -1,6 +1,8 @@
 """Sampling parameters with vLLM's names and meanings, validated once at construction."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -9,7 +11,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 or 0 (vLLM's two ways of saying it): every token
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
@@ -33,6 +35,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0 and isinstance(self.top_k, int):
+            self.top_k = -1
         self._validate()
 
     def _validate(self) -> None:
@@ -41,12 +45,15 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not isinstance(getattr(self, name), numbers.Real) or not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number")
         if self.temperature < 0.0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
-            raise bad("top_k", "must be -1 (disabled) or a positive integer")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -23,13 +23,25 @@ def sample(requests, logits, seed=0):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0), ("top_k", -2),
-    ("top_k", 0), ("min_p", 1.5), ("logprobs", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
+    ("top_k", 1.5), ("min_p", 1.5), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("top_p", float("nan")), ("min_p", float("nan")), ("repetition_penalty", float("inf")),
+    ("presence_penalty", float("nan")), ("frequency_penalty", float("nan")), ("logprobs", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("min_tokens", -1), ("seed", -2**63 - 1), ("seed", 2**63), ("stop", [""]),
     ("stop_token_ids", [-1]), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 150.0}),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_top_k_zero_means_every_token_as_in_vllm():
+    assert SamplingParams(top_k=0).top_k == SamplingParams().top_k == -1
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
+    logits = torch.randn(3, VOCAB)
+    reqs = [make_request(str(i), temperature=1.0, top_p=1e-300, seed=i) for i in range(3)]
+    assert sample(reqs, logits.clone()).token_ids == logits.argmax(-1).tolist()
 
 
 def test_min_tokens_above_max_tokens_rejected():

@@ -308,4 +308,5 @@ def _top_k_top_p(logits: torch.Tensor, table: torch.Tensor, max_k: int | None) -
     # keeps everything, even where float rounding lets the running mass reach 1 before the last token.
     mass_before = probs.cumsum(dim=-1) - probs
     mask |= mass_before >= torch.where(top_p < 1.0, top_p, float("inf")).unsqueeze(1)
+    mask[:, 0] = False  # also where top_p underflowed to 0 in the float32 table (a top_p of 1e-300)
     return torch.full_like(logits, float("-inf")).scatter_(1, ranked_idx, ranked.masked_fill(mask, float("-inf")))
