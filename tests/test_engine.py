@@ -227,6 +227,45 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(llm, mon
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
 
 
+@pytest.mark.parametrize("where", ["after a request finished", "mid-preemption"])
+def test_an_interrupt_between_two_updates_of_a_request_leaves_the_engine_serving(monkeypatch, where):
+    """Ctrl-C right after the step's read-back marked a request finished (before it leaves running), or after a
+    preemption took its victim out of running (before it is queued again): the step's requests are aborted all the
+    same, every block returns to the pool and later requests run as on a fresh engine."""
+    from pagedllm.bench.shapes import model_dir_for
+    from pagedllm.engine.request import Request
+    llm = LLM(model_dir_for("tiny"), load_format="dummy", device="cpu", max_model_len=256, num_kv_blocks=5,
+              block_size=16, async_scheduling=False)
+    engine = llm.engine
+    prompts = [[1, 2, 3], list(range(4, 40))]
+    # the first request done at its prefill, or both needing 2 + 5 of the 5 blocks
+    lengths = (1, 40) if where == "after a request finished" else (20, 40)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    if where == "mid-preemption":
+        target, original = (engine.scheduler, "_preempt"), engine.scheduler._preempt
+        failing = lambda request: (_ for _ in ()).throw(KeyboardInterrupt("simulated Ctrl-C"))
+    else:
+        target, original, finished = (Request, "check_stop"), Request.check_stop, []
+
+        def failing(request):
+            if finished:
+                raise KeyboardInterrupt("simulated Ctrl-C")
+            done = original(request)
+            finished.extend([request] * done)
+            return done
+    monkeypatch.setattr(*target, failing)
+    with pytest.raises(KeyboardInterrupt):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), prompt, p)
+        while engine.has_unfinished_requests():
+            engine.step()
+    monkeypatch.undo()
+    assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
 def test_chat_answers_sensibly(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)

@@ -191,8 +191,8 @@ class LLMEngine:
         the scheduler's view of them are lost, and the engine stays usable for the others. Where schedule() itself
         raised, it may have advanced any running request, so all of them go. Blocks the step registered in the
         prefix cache may never have received their K/V, so the cache forgets every block."""
-        if sched is None:
-            children = {r.request_id for r in self.scheduler.running}
+        if sched is None:  # a preemption's victim may already be out of running
+            children = {r.request_id for r in self.scheduler.requests.values() if r not in self.scheduler.waiting}
         else:
             children = {it.request.request_id for it in sched.scheduled}
         if previous is not None:

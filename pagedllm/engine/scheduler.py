@@ -188,9 +188,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
+            # By its place, not its status: a step interrupted (Ctrl-C) between the two may leave a finished
+            # request in running, or a preemption's victim in neither.
+            if request in self.running:
                 self.running.remove(request)
-            else:
+            elif request in self.waiting:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
