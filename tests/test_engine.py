@@ -266,6 +266,42 @@ def test_an_interrupt_between_two_updates_of_a_request_leaves_the_engine_serving
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
 
 
+def test_request_ids_in_use_by_a_request_or_a_sample_are_refused():
+    """n > 1 names a request's samples request_id-i: an id may be neither a request's nor a sample's. A refused id
+    leaves the request that holds it running to the end, in the async engine too."""
+    import asyncio
+    from pagedllm.bench.shapes import model_dir_for
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    options = dict(load_format="dummy", device="cpu", max_model_len=256)
+    engine = LLM(model_dir_for("tiny"), **options).engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.add_request("b-1", [1, 2, 3], params)
+    for request_id, n in (("a", 1), ("a-0", 1), ("a-1", 3), ("b", 2)):
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request(request_id, [4, 5], SamplingParams(n=n, max_tokens=2))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [(o.request_id, len(o.outputs), len(o.outputs[-1].token_ids)) for o in engine.step() if o.finished]
+    assert sorted(finished) == [("a", 2, 4), ("b-1", 1, 4)]
+
+    async def run():
+        aengine = AsyncLLMEngine(EngineConfig.from_kwargs(model_dir_for("tiny"), **options))
+        aengine.start()
+        try:
+            first, second = aengine.open_stream(), aengine.open_stream()
+            await aengine.add_request(first, "x", [1, 2, 3], params)
+            with pytest.raises(ValueError, match="already in use"):
+                await aengine.add_request(second, "x", [4, 5, 6], params)
+            outputs = [out async for out in first]
+            return outputs[-1].finished, len(outputs[-1].outputs[0].token_ids)
+        finally:
+            await aengine.shutdown()
+
+    assert asyncio.run(asyncio.wait_for(run(), timeout=60)) == (True, 4)
+
+
 def test_chat_answers_sensibly(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)

@@ -104,6 +104,8 @@ class AsyncLLMEngine:
             raise EngineDead(f"the engine stopped after an error: {self.dead!r}")
         if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
             raise EngineOverloaded(f"{self.num_waiting} requests are waiting (limit {self.max_waiting_requests})")
+        if request_id in self._streams:  # before the engine says so: the stream there is another request's
+            raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = stream
         stream._unfinished.add(request_id)
         self._num_adding += 1

@@ -84,8 +84,11 @@ class LLMEngine:
                     prompt_text: str | None = None) -> None:
         """prompt is text to tokenize or token ids; prompt_text is the text reported back for token ids."""
         params = params or SamplingParams()
-        if request_id in self.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        # A request's samples are named request_id-i (n > 1): neither may be an id a request or a sample holds.
+        ids = [request_id] if params.n == 1 else [request_id, *(f"{request_id}-{i}" for i in range(params.n))]
+        in_use = [i for i in ids if i in self.parents or i in self.child_to_parent]
+        if in_use:
+            raise ValueError(f"request id {in_use[0]!r} is already in use")
         vocab = self.hf_config.vocab_size
         if params.logprobs is not None and params.logprobs > min(self.config.max_logprobs, vocab):
             raise ValueError(f"requested {params.logprobs} logprobs per token, more than max_logprobs="
@@ -99,9 +102,9 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         children = [
-            Request(request_id if params.n == 1 else f"{request_id}-{i}", token_ids, params, max_tokens,
-                    prompt=text, parent_id=request_id, index=i, eos_token_ids=self.eos_token_ids)
-            for i in range(params.n)
+            Request(child_id, token_ids, params, max_tokens, prompt=text, parent_id=request_id, index=i,
+                    eos_token_ids=self.eos_token_ids)
+            for i, child_id in enumerate(ids[-params.n:])
         ]
         added = []
         try:
