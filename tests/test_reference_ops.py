@@ -570,6 +570,10 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="slot"):
         ref.reshape_and_cache(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), kc, vc,
                               torch.tensor([kc.shape[0] * 16]), "auto", 1.0, 1.0)
+    for slots in ([-5, 3], [-5, -1]):  # below -1, beside a written slot or not
+        with pytest.raises(ValueError, match="slot"):
+            ref.reshape_and_cache(torch.zeros(2, 2, 64), torch.zeros(2, 2, 64), kc, vc, torch.tensor(slots), "auto",
+                                  1.0, 1.0)
     with pytest.raises(ValueError, match="auto"):
         ref.reshape_and_cache(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), kc.view(torch.uint8)[..., :16],
                               vc.view(torch.uint8)[..., :16], torch.tensor([0]), "auto", 1.0, 1.0)

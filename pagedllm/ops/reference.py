@@ -326,12 +326,12 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
                          f"got {tuple(slot_mapping.shape)}")
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
     idx = torch.nonzero(slots >= 0).squeeze(1)
+    if bool((slots < -1).any()) or idx.numel() and int(slots.max()) >= nb * bs:
+        raise ValueError(f"slot_mapping entries must be -1 (skip) or in [0, {nb * bs}) "
+                         f"({nb} blocks of {bs} slots)")
     if idx.numel() == 0:
         return
     slots = slots[idx]
-    if int(slots.max()) >= nb * bs or int(slots.min()) < 0 or bool((slot_mapping < -1).any()):
-        raise ValueError(f"slot_mapping entries must be -1 (skip) or in [0, {nb * bs}) "
-                         f"({nb} blocks of {bs} slots)")
     blk, off = slots // bs, slots % bs
     x = key_cache.shape[4]
     f8 = fp8_dtype(kv_cache_dtype)
