@@ -148,3 +148,17 @@ def test_reshape_and_cache(head_size, dtype, kv_cache_dtype, layout):
         impl.reshape_and_cache(key, value, kc, vc, slots, kv_cache_dtype, *scales)
         caches.append((kc, vc))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_cache_keeps_a_nan(kv_cache_dtype):
+    """A NaN key or value is stored as NaN, as the reference stores it, not as the largest finite fp8 value that a
+    saturating min / max makes of it (the kernels' clamp propagates NaN)."""
+    kshape, vshape, cdtype = reference.kv_cache_shapes(2, 16, 1, 64, torch.bfloat16, kv_cache_dtype, "hnd")
+    key = torch.randn(3, 1, 64, device=DEV).to(torch.bfloat16)
+    value = key.clone()
+    key[1, 0, 5] = value[2, 0, 7] = float("nan")
+    kc, vc = torch.zeros(kshape, dtype=cdtype, device=DEV), torch.zeros(vshape, dtype=cdtype, device=DEV)
+    ops.reshape_and_cache(key, value, kc, vc, torch.tensor([0, 1, 2], device=DEV), kv_cache_dtype, 1.0, 1.0)
+    k, v = (reference.dequantize_kv(c, kv_cache_dtype, 1.0)[0, 0, :3] for c in (kc, vc))
+    assert torch.isnan(k).nonzero().tolist() == [[1, 5]] and torch.isnan(v).nonzero().tolist() == [[2, 7]]

@@ -14,12 +14,13 @@ def store_quantized(ptr, x, scale, mask, FP8: tl.constexpr):
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
     else:
         # Saturate like the reference instead of overflowing to inf/NaN, then store the raw bits
-        # (the cache is uint8, or a torch float8 tensor of the same format).
+        # (the cache is uint8, or a torch float8 tensor of the same format). A NaN stays NaN, as in the reference:
+        # not the largest finite value a plain min/max makes of it.
         y = x.to(tl.float32) / scale
         if FP8 == 1:
-            y = tl.clamp(y, -448.0, 448.0).to(tl.float8e4nv)
+            y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
         else:
-            y = tl.clamp(y, -57344.0, 57344.0).to(tl.float8e5)
+            y = tl.clamp(y, -57344.0, 57344.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e5)
         tl.store(ptr, y.to(ptr.dtype.element_ty, bitcast=True), mask=mask)
 
 
