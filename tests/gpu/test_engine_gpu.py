@@ -176,3 +176,47 @@ def test_cuda_backend_greedy_equals_triton(hf_model_dir):
         row = model(torch.tensor([prompt + a[:i]], device="cuda")).logits[0, -1].float()
         spread = row.max() - row.min()
         assert row.max() - row[a[i]] <= 0.02 * spread and row.max() - row[b[i]] <= 0.02 * spread
+
+
+@torch.inference_mode()
+def test_decode_rows_sharing_a_written_block_take_the_layers(hf_model_dir, monkeypatch):
+    """A's decode token completes its first block, which B takes from the prefix cache in the same step with one
+    token left to compute (test_model_runner.py has the CPU side): the step in which B reads the slot A writes runs
+    eagerly on the layers' path, which writes both rows' K/V before attending (the decoder-layer kernel and the
+    graphs attend to keys cached before the step). Eager steps, so that every step's forward says which path it took;
+    on the GPU in bf16 both requests' tokens stay near greedy."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.models import llama
+    path, model = hf_model_dir
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=256, block_size=16,
+              async_scheduling=False, enforce_eager=True)
+    engine, steps = llm.engine, []
+    metadata, fused = engine.runner._metadata, llama.fused_decode
+    monkeypatch.setattr(engine.runner, "_metadata", lambda step, dev, shared=False: steps.append(
+        [step.num_decodes, shared, None]) or metadata(step, dev, shared))
+
+    def spied(*args):
+        plan = fused(*args)
+        steps[-1][2] = plan is not None
+        return plan
+    monkeypatch.setattr(llama, "fused_decode", spied)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = torch.randint(0, model.config.vocab_size, (15,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine.add_request("A", prompt, params)
+    (first,) = engine.step()
+    prompts = {"A": prompt, "B": prompt + first.outputs[0].token_ids + [7]}
+    engine.add_request("B", prompts["B"], params)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    # the marked step (eager, no decoder-layer kernel); the next takes the kernel where it covers the model (the
+    # Llama test shape's weight shares would stream in slices, where the layers are faster: fused_decode)
+    assert steps[1] == [2, True, False] and steps[2] == [2, False, model.config.model_type == "qwen3"]
+    assert engine.kv_cache_manager.usage == 0.0
+    for rid, prompt in prompts.items():
+        logits = model(torch.tensor([prompt + tokens[rid]], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+        spread = logits.max(-1).values - logits.min(-1).values
+        gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens[rid], device="cuda")[:, None])[:, 0]
+        assert bool((gap <= 0.02 * spread).all()), (rid, (gap / spread).max().item())
