@@ -184,7 +184,10 @@ def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constex
     slices would not leave registers for qkv's programs beside it: those keep the chunks over the warps, which
     reduce through shared memory. Rows from row_limit on are not loaded (0: none). PAIRS 2: gate rows r and
     the up rows n_rows + r beside them. bf16 loads as int32 pairs of columns: _gemv_rows widens each half with one
-    integer instruction, where converting the upper half of a pair takes two."""
+    integer instruction, where converting the upper half of a pair takes two. The weights are read once a step (a
+    step streams ~1 GB through the 50 MB L2), so their lines are the L2's first to go, before the phases' exchanges
+    and the K/V: on the H100 (benchmarks/results/README.md, thirty-eighth session) the engine's batch-1 step 0.621-0.627
+    -> 0.618-0.625 ms (~3 us), a process each, alternating, on two machines."""
     ROWS_LEAD: tl.constexpr = (OUTER and RPP * PAIRS >= _WARPS) == _WARPS_LEAD
     rows = row0 + tl.arange(0, RPP)
     r = (tl.arange(0, PAIRS)[None, :] * n_rows + rows[:, None]).to(tl.int64)
@@ -200,11 +203,11 @@ def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constex
         CW: tl.constexpr = WARP_COLS // 2 if WARP_COLS // 2 < HALF_PAD else HALF_PAD
         c = _tile_columns(tl.arange(0, HALF_PAD // CW)[:, None] * CW + tl.arange(0, CW)[None, :], ROWS_LEAD)
         wt = tl.load(w.to(tl.pointer_type(tl.int32), bitcast=True) + r * (ROW // 2) + c, mask=row_ok & (c < K // 2),
-                     other=0)
+                     other=0, eviction_policy="evict_first")
     else:
         CW: tl.constexpr = WARP_COLS if WARP_COLS < K_PAD else K_PAD
         c = _tile_columns(tl.arange(0, K_PAD // CW)[:, None] * CW + tl.arange(0, CW)[None, :], ROWS_LEAD)
-        wt = tl.load(w + r * ROW + c, mask=row_ok & (c < K), other=0.0)
+        wt = tl.load(w + r * ROW + c, mask=row_ok & (c < K), other=0.0, eviction_policy="evict_first")
     return wt
 
 
