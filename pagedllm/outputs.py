@@ -38,3 +38,6 @@ class RequestOutput:
     finished: bool = False
     # Prompt tokens served from the prefix cache (first sample).
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, per prompt token: None for the first, then {token_id: Logprob} of the
+    # prompt's token and the top-n given the tokens before it.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -369,6 +369,40 @@ def test_final_only_steps_return_each_request_once_when_finished(llm):
     assert sorted(seen) == [("long", 4), ("short", 1)]
 
 
+def test_prompt_logprobs_match_transformers(tmp_path):
+    """SamplingParams.prompt_logprobs, as vLLM's: None for the first prompt token, then each token's log-softmax
+    under transformers' logits of the tokens before it, with its rank and the top n. The same with overlapped
+    steps, with the prompts chunked (a 16-token budget) and with preemptions (an 8-block pool); a request asking
+    for them runs its prompt although the prefix cache holds it, the first of its samples only."""
+    from test_models import random_hf_model
+    from transformers import LlamaConfig
+    hf = random_hf_model(LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=False))
+    hf.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (45, 1, 30)]
+    with torch.inference_mode():
+        refs = [torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1) for p in prompts]
+    params = [SamplingParams(prompt_logprobs=3, n=2, temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(prompt_logprobs=0, max_tokens=4), SamplingParams(max_tokens=4)]
+    for options in ({}, dict(max_num_batched_tokens=16, async_scheduling=False), dict(num_kv_blocks=8)):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=128, block_size=16, **options)
+        llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)  # the prompts into the prefix cache
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert outs[2].prompt_logprobs is None
+        for out, ref, p in zip(outs, refs, params[:2]):
+            assert out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None
+            assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+            for row, token, entry in zip(ref, out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+                assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+                assert entry[token].rank == int((row > row[token]).sum()) + 1
+                top = row.topk(p.prompt_logprobs).indices.tolist()
+                assert sorted((e.rank, t) for t, e in entry.items())[:len(top)] == [(r, t) for r, t in
+                                                                                    enumerate(top, 1)]
+        if "num_kv_blocks" in options:
+            assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.kv_cache_manager.usage == 0.0
+
+
 def test_async_scheduling_equals_synchronous(llm):
     """Overlapped steps feed each decode its token from the device and learn of stops one step late: outputs,
     stop handling, min_tokens, seeded sampling, logprobs and penalties (which fall back to waiting) must be

@@ -55,6 +55,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         update_block_hashes(request, self.block_size)
+        if request.needs_prompt_logprobs:  # they need every prompt position's hidden state (vLLM skips the cache too)
+            return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

@@ -15,9 +15,9 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
-from pagedllm.layers.sampler import SamplerOutput
+from pagedllm.layers.sampler import PromptLogprobs, SamplerOutput
 from pagedllm.models.loader import load_model, resolve_model
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -42,6 +42,7 @@ class _Step:
     sched: SchedulerOutput
     sampling: list[Request]
     out: SamplerOutput | None
+    prompt: PromptLogprobs | None  # the prompt logprobs it computed (not yet read)
 
 
 class LLMEngine:
@@ -90,9 +91,11 @@ class LLMEngine:
         if in_use:
             raise ValueError(f"request id {in_use[0]!r} is already in use")
         vocab = self.hf_config.vocab_size
-        if params.logprobs is not None and params.logprobs > min(self.config.max_logprobs, vocab):
-            raise ValueError(f"requested {params.logprobs} logprobs per token, more than max_logprobs="
-                             f"{self.config.max_logprobs} or the vocabulary ({vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > min(self.config.max_logprobs, vocab):
+                raise ValueError(f"requested {n} {name.replace('_', ' ')} per token, more than max_logprobs="
+                                 f"{self.config.max_logprobs} or the vocabulary ({vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         text = prompt if isinstance(prompt, str) else prompt_text
@@ -173,9 +176,8 @@ class LLMEngine:
         previous, self._in_flight, sched = self._in_flight, None, None
         try:
             sched = self.scheduler.schedule()
-            sampling, out = self.runner.execute(sched, self.kv_cache_manager.get_blocks)
-            current = _Step(sched, sampling, out)
-            overlaps = self._overlaps(sampling)
+            current = _Step(sched, *self.runner.execute(sched, self.kv_cache_manager.get_blocks))
+            overlaps = self._overlaps(current.sampling)
             outputs = self._process(previous, final_only) if previous is not None else []
             if overlaps:
                 self._in_flight = current
@@ -213,14 +215,18 @@ class LLMEngine:
         if step.out is not None:
             ids = [req.request_id for req in step.sampling]
             sampled, logprobs = dict(zip(ids, step.out.token_ids)), dict(zip(ids, step.out.logprobs))
+        if step.prompt is not None:
+            for req, first, entries in step.prompt.read():
+                for entry in entries:
+                    self._name_tokens(entry)
+                req.prompt_logprobs[first:first + len(entries)] = entries
         advanced = self.scheduler.update_from_output(step.sched, sampled)
         self.num_generation_tokens += len(advanced)
         touched: dict[str, _Parent] = {}
         for req in advanced:
             lp = logprobs[req.request_id]
             if lp is not None:
-                for tok, entry in lp.items():
-                    entry.decoded_token = self.token_text(tok)
+                self._name_tokens(lp)
                 req.logprobs.append(lp)
                 req.cumulative_logprob += lp[req.output_token_ids[-1]].logprob
             parent = self.child_to_parent[req.request_id]
@@ -249,6 +255,10 @@ class LLMEngine:
                     del self.child_to_parent[c.request_id]
         return outputs
 
+    def _name_tokens(self, entry: dict[int, Logprob]) -> None:
+        for tok, lp in entry.items():
+            lp.decoded_token = self.token_text(tok)
+
     def _output(self, parent: _Parent, finished: bool) -> RequestOutput:
         completions = [
             CompletionOutput(index=req.index, text=detok.text if detok else "",
@@ -258,7 +268,8 @@ class LLMEngine:
             for req, detok in zip(parent.children, parent.detokenizers)]
         first = parent.children[0]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
-                             finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0))
+                             finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0),
+                             prompt_logprobs=first.prompt_logprobs)
 
     # ---- stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

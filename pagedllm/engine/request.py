@@ -76,6 +76,10 @@ class Request:
         self.stop_reason: int | str | None = None
         # Per-token logprobs: list of {token_id: Logprob} (only when sampling_params.logprobs is set).
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
+        # The prompt's logprobs so far (SamplingParams.prompt_logprobs, on a request's first sample only): None for
+        # its first token, then one {token_id: Logprob} a token.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None and index == 0 else None)
         # Sum of the sampled tokens' logprobs (meaningful only with logprobs).
         self.cumulative_logprob = 0.0
         # Sampling state owned by the sampler (seeded generator, token ids for penalties).
@@ -103,6 +107,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some of its prompt logprobs are still to be computed (every prompt position must then run)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

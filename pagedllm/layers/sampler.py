@@ -1,4 +1,5 @@
-"""Token sampling for one step: penalties, min_tokens, greedy/temperature, top-k/top-p/min-p, logprobs.
+"""Token sampling for one step: penalties, min_tokens, greedy/temperature, top-k/top-p/min-p, logprobs (and the
+logprobs of prompt tokens, prompt_logprobs).
 
 The batch is processed at once on the logits' device. A plain greedy step is one argmax; otherwise the host
 sends the step's parameters as one float table and one packed int tensor (a host->device copy each) and
@@ -75,12 +76,63 @@ class SamplerOutput:
             if logprob_lists:
                 sampled, sampled_ranks, top_values, top_ids = logprob_lists
                 for j, (i, n) in enumerate(zip(self._logprob_rows, self._num_top)):
-                    entry = {token_list[i]: Logprob(sampled[j], sampled_ranks[j])}
-                    for rank, (tok, lp) in enumerate(zip(top_ids[j][:n], top_values[j][:n]), 1):
-                        entry.setdefault(tok, Logprob(lp, rank))
-                    logprobs[i] = entry
+                    logprobs[i] = _entry(token_list[i], sampled[j], sampled_ranks[j], top_ids[j][:n], top_values[j][:n])
             self._lists = token_list, logprobs
         return self._lists
+
+
+class PromptLogprobs:
+    """The logprobs of the prompt tokens a step computed (SamplingParams.prompt_logprobs), copied to the host as
+    soon as they are queued, as the step's samples are. spans: per request (request, index of its first prompt
+    token here, how many, top n), in the order of the rows."""
+
+    def __init__(self, spans: list[tuple[Request, int, int, int]], tensors: tuple[torch.Tensor, ...]) -> None:
+        self._spans = spans
+        self._host = [t.to("cpu", non_blocking=True) for t in tensors]
+        self._ready = None
+        if tensors[0].is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(tensors[0].device))
+
+    def read(self) -> list[tuple[Request, int, list[dict[int, Logprob]]]]:
+        """Per request: (request, index of the first prompt token, {token_id: Logprob} per token, ranked, without
+        their text)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, values, ranks, top_values, top_ids = [t.tolist() for t in self._host]
+        out, row = [], 0
+        for request, first, count, n in self._spans:
+            out.append((request, first, [_entry(tokens[j], values[j], ranks[j], top_ids[j][:n], top_values[j][:n])
+                                         for j in range(row, row + count)]))
+            row += count
+        return out
+
+
+def _entry(token: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]) -> dict[int, Logprob]:
+    """{token_id: Logprob} of one position: the token's own, then the top ones by rank."""
+    entry = {token: Logprob(logprob, rank)}
+    for r, (tok, lp) in enumerate(zip(top_ids, top_values), 1):
+        entry.setdefault(tok, Logprob(lp, r))
+    return entry
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Of log-softmax rows [rows, vocab] and a token per row: the tokens' logprobs, their ranks (vLLM's: the tokens
+    at least as likely, itself included, so tied tokens share the worse rank) and the top k logprobs and ids."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top = logprobs.topk(k, dim=-1)
+    return chosen, (logprobs >= chosen[:, None]).sum(-1), top.values, top.indices
+
+
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor,
+                    spans: list[tuple[Request, int, int, int]], vocab: int) -> PromptLogprobs:
+    """The logprobs of targets, the next prompt token of each row of hidden, under compute_logits (vocab logits a
+    row): in slices of rows whose float32 logits take ~256 MB at most."""
+    k = max(n for *_, n in spans)
+    step = max(1, 2 ** 26 // vocab)
+    parts = [token_logprobs(torch.log_softmax(compute_logits(hidden[i:i + step]).float(), dim=-1),
+                            targets[i:i + step], k) for i in range(0, len(targets), step)]
+    return PromptLogprobs(spans, (targets, *(torch.cat(p) for p in zip(*parts))))
 
 
 @dataclass
@@ -220,12 +272,8 @@ class Sampler:
             return SamplerOutput(self.host_buffers, tokens)
         # Logprobs of the sampled token and of each row's top-n tokens, read back with the tokens.
         num_top = [params[i].logprobs for i in logprob_rows]
-        sampled_logprobs = raw_logprobs.gather(1, tokens[logprob_idx].unsqueeze(1)).squeeze(1)
-        # vLLM's rank: the tokens at least as likely, itself included (tied tokens share the worse rank)
-        sampled_ranks = (raw_logprobs >= sampled_logprobs[:, None]).sum(-1)
-        top = raw_logprobs.topk(max(num_top), dim=-1)
         return SamplerOutput(self.host_buffers, tokens, logprob_rows, num_top,
-                             (sampled_logprobs, sampled_ranks, top.values, top.indices))
+                             token_logprobs(raw_logprobs, tokens[logprob_idx], max(num_top)))
 
     def _sample(self, logits: torch.Tensor, table: torch.Tensor, requests: list[Request], filtered: _Rows,
                 filtered_top_k: list[int]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
-from pagedllm.layers.sampler import Sampler, SamplerOutput, greedy_tokens
+from pagedllm.layers.sampler import PromptLogprobs, Sampler, SamplerOutput, greedy_tokens, prompt_logprobs
 from pagedllm.ops.xattention import prefill_workspace_bytes
 from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views, zero_copy
 from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, screen_bytes
@@ -244,22 +244,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, blocks_of: Callable[[Request], list[KVCacheBlock]]
-                ) -> tuple[list[Request], SamplerOutput | None]:
-        """Queues one step on the device; returns the requests that sample a token in it and their samples.
-        Nothing here waits for the device: reading the samples does."""
+                ) -> tuple[list[Request], SamplerOutput | None, PromptLogprobs | None]:
+        """Queues one step on the device; returns the requests that sample a token in it, their samples, and the
+        logprobs of the prompt tokens it computed for requests that asked for them. Nothing here waits for the
+        device: reading the samples does."""
         # Decodes first, longest first: the decode kernel starts one program per (sequence, kv head) in row
         # order, so a long sequence started last would run on alone at the end of the launch.
         items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1,
                                                         -it.num_computed_tokens - it.num_new_tokens))
         if not items:
-            return [], None
+            return [], None, None
         decode_only = items[-1].num_new_tokens == 1
+        # The decode graphs return no hidden states to take prompt logprobs from: a step with any runs eagerly.
+        spans = _prompt_spans(items)
         # The decode graphs hold the fused decoder-layer kernel, which such a step must not take (AttentionMetadata).
         shared = decode_only and _rows_share_written_blocks(items, blocks_of, self.block_size)
         graphs = self.decode_graphs
         head = None  # (logits or None where screened, greedy ids) of every row, where the step's graph computed them
         sample_slot = None  # where the graph also writes the greedy ids on the host
-        if graphs is not None and decode_only and not shared and graphs.fits(len(items)):
+        if graphs is not None and decode_only and not shared and not spans and graphs.fits(len(items)):
             size = graphs.padded_size(len(items))
             step = self.prepare(items, blocks_of, size)
             sample_slot = graphs.take_sample_slot(size)
@@ -279,9 +282,10 @@ class ModelRunner:
             else:
                 with set_forward_context(meta):
                     hidden = self.model(dev["input_ids"], dev["positions"])
+        prompt = self._prompt_logprobs(spans, hidden) if spans else None
         sampling = [it.request for it in items if it.sample]
         if not sampling:
-            return [], None
+            return [], None, prompt
         # When rows 0..n-1 sample (every row of a decode-only step, as a rule), a slice replaces the gather.
         n = len(sampling)
         leading = step.logits_indices[-1] == n - 1
@@ -294,7 +298,32 @@ class ModelRunner:
                                sample_slot if leading else None)
         self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
         self._sampled_ids = out.device_token_ids
-        return sampling, out
+        return sampling, out, prompt
+
+    def _prompt_logprobs(self, spans: list[tuple[Request, int, int, int, int]], hidden: torch.Tensor) -> PromptLogprobs:
+        rows = np.concatenate([np.arange(row, row + count) for _, _, count, _, row in spans])
+        targets = np.concatenate([r.prompt_token_ids[first:first + count] for r, first, count, _, _ in spans])
+        rows, targets = (torch.from_numpy(a).to(self.device) for a in (rows, targets))
+        return prompt_logprobs(self.model.compute_logits, hidden[rows], targets, [span[:4] for span in spans],
+                               self.model.head_weight().shape[0])
+
+
+def _prompt_spans(items: list[ScheduledRequest]) -> list[tuple[Request, int, int, int, int]]:
+    """The prompt positions of the step whose next token's logprobs their request still needs, per item: (request,
+    index of the first such next token in its prompt, how many, top n, the first position's row in the step)."""
+    spans, row = [], 0
+    for it in items:
+        r = it.request
+        if r.prompt_logprobs is not None:
+            # positions [start, end): after any the request has (a preempted request runs its prompt again), before
+            # the prompt's last, whose next token is sampled
+            start = max(it.num_computed_tokens, len(r.prompt_logprobs) - 1)
+            end = min(it.num_computed_tokens + it.num_new_tokens, r.num_prompt_tokens - 1)
+            if end > start:
+                spans.append((r, start + 1, end - start, r.sampling_params.prompt_logprobs,
+                              row + start - it.num_computed_tokens))
+        row += it.num_new_tokens
+    return spans
 
 
 def _rows_share_written_blocks(items: list[ScheduledRequest], blocks_of: Callable[[Request], list[KVCacheBlock]],

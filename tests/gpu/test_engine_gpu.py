@@ -220,3 +220,23 @@ def test_decode_rows_sharing_a_written_block_take_the_layers(hf_model_dir, monke
         spread = logits.max(-1).values - logits.min(-1).values
         gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens[rid], device="cuda")[:, None])[:, 0]
         assert bool((gap <= 0.02 * spread).all()), (rid, (gap / spread).max().item())
+
+
+@torch.inference_mode()
+def test_prompt_logprobs_equal_transformers(hf_model_dir):
+    """SamplingParams.prompt_logprobs in float32 on the GPU, the prompts prefilled through the piecewise graphs in
+    512-token chunks: every prompt token's logprob within 1e-3 of transformers' log-softmax, the first None."""
+    from pagedllm import LLM, SamplingParams
+    path, model = hf_model_dir
+    llm = LLM(str(path), device="cuda", dtype="float32", num_kv_blocks=2048, max_model_len=4096, max_num_seqs=8,
+              max_num_batched_tokens=512)
+    assert llm.engine.runner.piecewise_graphs is not None
+    vocab = model.config.vocab_size
+    outs = llm.generate(prompts(vocab), SamplingParams(max_tokens=2, prompt_logprobs=2), use_tqdm=False)
+    for prompt, out in zip(prompts(vocab), outs):
+        ids = torch.tensor(prompt, device="cuda")
+        want = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1).gather(1, ids[1:, None])[:, 0]
+        got = torch.tensor([e[t].logprob for t, e in zip(prompt[1:], out.prompt_logprobs[1:])], device="cuda")
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        assert torch.allclose(got, want, atol=1e-3, rtol=0), (got - want).abs().max().item()
+    assert llm.engine.kv_cache_manager.usage == 0.0
