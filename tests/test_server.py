@@ -216,6 +216,29 @@ def test_echo_and_extras(client):
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, llm):
+    """Completions with echo and logprobs (how lm-eval-harness scores a text): the prompt's tokens come first with
+    the engine's prompt logprobs (the first token has none), then the completion's, the text offsets counting from
+    the prompt's start; max_tokens 0 returns the prompt alone. Streamed, the same tokens."""
+    ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    expected = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2),
+                            use_tqdm=False)[0].prompt_logprobs
+    for max_tokens in (0, 3):
+        choice = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=max_tokens, temperature=0,
+                                           echo=True, logprobs=2).choices[0]
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens and "".join(lp.tokens) == choice.text
+        assert choice.text.startswith(PROMPTS[0]) and (max_tokens or choice.text == PROMPTS[0])
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(ids)):
+            assert lp.token_logprobs[i] == pytest.approx(expected[i][ids[i]].logprob, abs=1e-5)
+            assert len(lp.top_logprobs[i]) in (2, 3) and lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
 def test_logit_bias_steers_sampling(server, client):
     """OpenAI's logit_bias: +100 on one token makes it every greedy pick; -100 keeps the greedy token out."""
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0,
@@ -388,6 +411,7 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(10**9): 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(10**9): 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     # ids the tokenizer cannot even decode for the echo
     ("/v1/completions", {"prompt": [-1], "echo": True}, "prompt"),
     ("/v1/completions", {"prompt": [[5, 2**40]], "echo": True}, "prompt"),

@@ -99,12 +99,14 @@ class _SamplingRequest(Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field for combinations that single-field checks cannot catch."""
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias())
@@ -121,17 +123,28 @@ class _SamplingRequest(Strict):
 # ---- /v1/completions ------------------------------------------------------------------------------------
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
-    max_tokens: Int | None = Field(16, ge=1)
-    echo: bool = False
+    echo: bool = False  # before max_tokens, whose check reads it
+    # 0 with echo: the prompt alone (and with logprobs its logprobs), as vLLM answers it
+    max_tokens: Int | None = Field(16, ge=0)
     logprobs: Int | None = Field(None, ge=0)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
+        if max_tokens == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1 (0 only with echo, for the prompt alone)")
+        return max_tokens
 
     @model_validator(mode="after")
     def _check_prompt(self):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported: the engine does not compute prompt logprobs")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt alone: one token is generated (the engine samples at least one), not returned."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from jinja2 import TemplateError
@@ -47,6 +47,8 @@ class Delta:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None
+    # the prompt's logprobs (SamplingParams.prompt_logprobs), with a choice's first delta only
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -55,7 +57,8 @@ class _Choice:
     num_tokens: int = 0
     finished: bool = False
 
-    def advance(self, index: int, out: CompletionOutput, stop: list[str]) -> Delta | None:
+    def advance(self, index: int, out: CompletionOutput, stop: list[str],
+                prompt_logprobs: list[dict[int, Logprob] | None] | None) -> Delta | None:
         if self.finished or (len(out.token_ids) == self.num_tokens and out.finish_reason is None):
             return None
         self.finished = out.finish_reason is not None
@@ -65,7 +68,7 @@ class _Choice:
             end -= _stop_prefix_len(out.text, stop)
         logprobs = out.logprobs[self.num_tokens:len(out.token_ids)] if out.logprobs is not None else None
         delta = Delta(index, out.text[self.sent_chars:end], out.token_ids[self.num_tokens:], logprobs,
-                      out.finish_reason, out.stop_reason)
+                      out.finish_reason, out.stop_reason, prompt_logprobs if self.num_tokens == 0 else None)
         self.sent_chars, self.num_tokens = end, len(out.token_ids)
         return delta
 
@@ -139,7 +142,8 @@ class _Generation:
                         self.metrics.inter_token_latency.observe((now - last_token_time[p]) / new, new)
                     last_token_time[p], num_tokens[p] = now, generated
                 for c in out.outputs:
-                    delta = self.choices[p * n + c.index].advance(p * n + c.index, c, self.params.stop)
+                    delta = self.choices[p * n + c.index].advance(p * n + c.index, c, self.params.stop,
+                                                                  out.prompt_logprobs)
                     if delta is not None:
                         yield delta
         except EngineDead as e:
@@ -183,15 +187,22 @@ class OpenAIServing:
         if req.echo or any(isinstance(p, str) for p in req.prompts):
             self.need_tokenizer("echo or a text prompt")
         prompts = await self.engine.call(self._prepare_prompts, req.prompts, req.echo)
-        gen = await self._start("cmpl", prompts, req, req.max_tokens, req.logprobs)
-        # Echoed prompts go in front of each choice's first piece of text.
+        echo_logprobs = req.echo and req.logprobs is not None
+        gen = await self._start("cmpl", prompts, req, 1 if req.echo_only else req.max_tokens, req.logprobs,
+                                req.logprobs if echo_logprobs else None)
+        # Echoed prompts go in front of each choice's first piece of text, and with logprobs their tokens in front
+        # of its first tokens, the text offsets counting from the prompt's start.
         prefixes = [text if req.echo else "" for text, _ in prompts for _ in range(req.n)]
-        offsets = list(map(len, prefixes))
+        offsets = [0 if echo_logprobs else len(p) for p in prefixes]
 
         def choice(d: Delta) -> CompletionChoice:
+            if req.echo_only:
+                d = replace(d, text="", token_ids=[], logprobs=None if d.logprobs is None else [])
             text, prefixes[d.index] = prefixes[d.index] + d.text, ""
+            prompt_ids = None if d.prompt_logprobs is None else prompts[d.index // req.n][1]
             return CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
-                                    stop_reason=d.stop_reason, logprobs=self._completion_logprobs(d, gen, offsets))
+                                    stop_reason=d.stop_reason,
+                                    logprobs=self._completion_logprobs(d, gen, offsets, prompt_ids))
 
         def response(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
             return CompletionResponse(id=gen.request_id, created=gen.created, model=self.model_name,
@@ -267,9 +278,9 @@ class OpenAIServing:
 
     # ---- shared ------------------------------------------------------------------------------------------
     async def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], req,
-                     max_tokens: int | None, logprobs: int | None) -> _Generation:
+                     max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> _Generation:
         try:
-            params = req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
         chat = prefix == "chatcmpl"
@@ -313,18 +324,27 @@ class OpenAIServing:
         # The entry holds the sampled token plus the top k; by rank, a sampled token outside them comes last.
         return sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
 
-    def _completion_logprobs(self, d: Delta, gen: _Generation, offsets: list[int]) -> CompletionLogprobs | None:
+    def _completion_logprobs(self, d: Delta, gen: _Generation, offsets: list[int],
+                             prompt_ids: list[int] | None = None) -> CompletionLogprobs | None:
+        """The delta's tokens with their logprobs, after prompt_ids (an echoed prompt) with the delta's prompt
+        logprobs: the prompt's first token has none (null logprob and top_logprobs, as vLLM gives it)."""
         if d.logprobs is None:
             return None
+        token_ids, entries = d.token_ids, d.logprobs
+        if prompt_ids is not None:
+            token_ids, entries = [*prompt_ids, *token_ids], [*d.prompt_logprobs, *entries]
         out = CompletionLogprobs()
-        for tid, entry in zip(d.token_ids, d.logprobs):
-            text = self._text(tid, entry[tid])
+        for tid, entry in zip(token_ids, entries):
+            text = self.tokenizer.decode([tid]) if entry is None else self._text(tid, entry[tid])
             out.tokens.append(text)
-            out.token_logprobs.append(entry[tid].logprob)
-            # As OpenAI and vLLM: the sampled token's logprob is always there, beside the top ones (up to k + 1).
-            top = dict(self._top(entry, gen.params.logprobs))
-            top.setdefault(tid, entry[tid])
-            out.top_logprobs.append({self._text(t, lp): lp.logprob for t, lp in top.items()})
+            out.token_logprobs.append(None if entry is None else entry[tid].logprob)
+            if entry is None:
+                out.top_logprobs.append(None)
+            else:
+                # As OpenAI and vLLM: the token's own logprob is always there, beside the top ones (up to k + 1).
+                top = dict(self._top(entry, gen.params.logprobs))
+                top.setdefault(tid, entry[tid])
+                out.top_logprobs.append({self._text(t, lp): lp.logprob for t, lp in top.items()})
             out.text_offset.append(offsets[d.index])
             offsets[d.index] += len(text)
         return out
