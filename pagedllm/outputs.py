@@ -19,7 +19,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    # The stop string or stop token id that ended the sample (None for EOS or length).
+    # The stop string or stop token id that ended the sample (None for the tokenizer's EOS or length; another EOS
+    # id of the model's generation config is a stop token id, as in vLLM).
     stop_reason: int | str | None = None
     # Per generated token: {token_id: Logprob} for the sampled token and the top-k ones.
     logprobs: list[dict[int, Logprob]] | None = None

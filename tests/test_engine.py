@@ -189,6 +189,27 @@ def test_stop_tokens_stop_strings_and_min_tokens_as_vllm(llm):
     assert run(max_tokens=12, stop=[",", "never-in-the-text"], min_tokens=len(late.token_ids) - 1).text == late.text
 
 
+def test_other_eos_ids_are_stop_token_ids_as_in_vllm(llm, monkeypatch):
+    """A model whose generation config lists EOS ids beside its tokenizer's (Llama 3's <|eot_id|> and
+    <|end_of_text|>): a sample ending on the tokenizer's has no stop reason, one ending on another has that id, as
+    vLLM makes the others stop token ids; ignore_eos ignores them all."""
+    prompt = "1, 2, 3, 4, 5,"
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    base = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    other = base.token_ids[2]
+    monkeypatch.setattr(llm.engine, "eos_token_ids", llm.engine.eos_token_ids | {other})
+    assert other != llm.engine.eos_token_id
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (base.token_ids[:3], "stop", other)
+    ignored = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == base.token_ids
+    monkeypatch.setattr(llm.engine, "eos_token_ids", frozenset({other}))
+    monkeypatch.setattr(llm.engine, "eos_token_id", other)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (base.token_ids[:3], "stop", None)
+
+
 @pytest.mark.parametrize("where,failing_call", [("execute", 3), ("read back", 3), ("schedule", 4)])
 def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(llm, monkeypatch, where, failing_call):
     """A step that raises (out of memory, a kernel error, Ctrl-C while tokens are read back) loses its

@@ -57,6 +57,7 @@ class LLMEngine:
         config.resolve_lengths(self.hf_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(config.tokenizer or self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.hf_config, self.tokenizer)
+        self.eos_token_id = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self._token_texts: dict[int, str] = {}
         self.runner = ModelRunner(config, self.model, self.hf_config, self.dtype)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
@@ -106,7 +107,7 @@ class LLMEngine:
             max_tokens = min(max_tokens, params.max_tokens)
         children = [
             Request(child_id, token_ids, params, max_tokens, prompt=text, parent_id=request_id, index=i,
-                    eos_token_ids=self.eos_token_ids)
+                    eos_token_ids=self.eos_token_ids, eos_token_id=self.eos_token_id)
             for i, child_id in enumerate(ids[-params.n:])
         ]
         added = []

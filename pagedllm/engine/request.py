@@ -49,6 +49,7 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        eos_token_id: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -57,7 +58,10 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # already capped by max_model_len
+        # Every EOS id of the model (its generation config's, its config's, its tokenizer's), and the tokenizer's:
+        # a sample that ends on another has that id as its stop reason, a stop token id to vLLM.
         self.eos_token_ids = eos_token_ids
+        self.eos_token_id = eos_token_id
         self.arrival = next(_arrival_counter)
 
         self.output_token_ids: list[int] = []
@@ -132,6 +136,7 @@ class Request:
         if num_output >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = None if last == self.eos_token_id else last
                 return True
             if last in params.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
