@@ -113,6 +113,18 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(llm):
     assert llm.engine.stats()["kv_cache_usage_perc"] == 0.0
 
 
+def test_stop_strings_without_a_tokenizer_are_refused():
+    """Stop strings are matched in the detokenized text: a model without a tokenizer refuses them rather than
+    ignoring them, naming stop_token_ids, and keeps serving."""
+    from pagedllm.bench.shapes import model_dir_for
+    tiny = LLM(model_dir_for("tiny"), load_format="dummy", device="cpu", max_model_len=64)
+    assert tiny.engine.tokenizer is None
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        tiny.generate([[5, 6]], SamplingParams(stop=["x"]), use_tqdm=False)
+    out = tiny.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3 and tiny.engine.kv_cache_manager.usage == 0.0
+
+
 def test_request_larger_than_the_pool_is_rejected():
     small = LLM(MODEL, dtype="float32", num_kv_blocks=4, block_size=16)
     with pytest.raises(ValueError):

@@ -421,6 +421,24 @@ def test_bad_requests_name_the_field_at_fault(server, path, body, param):
     assert status == 400 and error["error"]["param"] == param, error
 
 
+def test_a_model_without_a_tokenizer_takes_token_ids_and_refuses_what_needs_text():
+    """Served without a tokenizer, token-id prompts with stop_token_ids generate; a text prompt, chat and stop
+    strings (matched in text the server cannot make) are 400s naming what needs the tokenizer."""
+    from pagedllm.bench.shapes import model_dir_for
+    proc, url = start_server([model_dir_for("tiny"), "--load-format", "dummy", "--max-model-len", "64"])
+    try:
+        status, out = post(url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "stop_token_ids": [1]})
+        assert status == 200 and out["usage"]["prompt_tokens"] == 3, out
+        for path, body, param in (("/v1/completions", {"prompt": [5, 6], "stop": ["x"]}, "stop"),
+                                  ("/v1/completions", {"prompt": "hello"}, None),
+                                  ("/v1/chat/completions", {"messages": CHAT}, None)):
+            status, error = post(url, path, body)
+            assert status == 400 and "no tokenizer" in error["error"]["message"], error
+            assert error["error"]["param"] == param, error
+    finally:
+        stop_server(proc)
+
+
 def test_api_key_is_required_and_server_keeps_serving(server, client):
     for key in (None, "wrong-key"):
         status, error = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, key=key)

@@ -99,6 +99,9 @@ class LLMEngine:
                                  f"{self.config.max_logprobs} or the vocabulary ({vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings are matched in the text, and this model has no tokenizer to produce it: "
+                             "use stop_token_ids")
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)

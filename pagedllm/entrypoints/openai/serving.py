@@ -177,9 +177,10 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    def need_tokenizer(self, what: str) -> None:
+    def need_tokenizer(self, what: str, param: str | None = None) -> None:
         if self.tokenizer is None:
-            raise APIError(400, f"this model has no tokenizer, so {what} is not possible; pass token ids")
+            raise APIError(400, f"this model has no tokenizer, so {what} is not possible; pass token ids",
+                           param=param)
 
     # ---- /v1/completions ---------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
@@ -283,6 +284,8 @@ class OpenAIServing:
             params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+        if params.stop:
+            self.need_tokenizer("matching stop strings (stop_token_ids can)", param="stop")
         chat = prefix == "chatcmpl"
         # What the engine also rejects, checked here to name the field.
         limit = self.engine.config.max_logprobs
