@@ -412,6 +412,10 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(10**9): 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    # what SamplingParams checks, named as it names them
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": 2**70}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
     # ids the tokenizer cannot even decode for the echo
     ("/v1/completions", {"prompt": [-1], "echo": True}, "prompt"),
     ("/v1/completions", {"prompt": [[5, 2**40]], "echo": True}, "prompt"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
@@ -283,7 +284,9 @@ class OpenAIServing:
         try:
             params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            # SamplingParams names its field first, and the request fields it checks carry the same names
+            named = re.match(r"SamplingParams\.(\w+)", str(e))
+            raise APIError(400, str(e), param=named and named.group(1)) from e
         if params.stop:
             self.need_tokenizer("matching stop strings (stop_token_ids can)", param="stop")
         chat = prefix == "chatcmpl"
