@@ -433,6 +433,8 @@ def test_prompt_logprobs_match_transformers(tmp_path):
                                                                                     enumerate(top, 1)]
         if "num_kv_blocks" in options:
             assert llm.engine.scheduler.num_preemptions > 0
+        if not options:  # the prefix cache's queries: every prompt, then all but those with prompt logprobs to compute
+            assert llm.engine.kv_cache_manager.prefix_cache_queries == sum(map(len, prompts)) + 45 + 1 + 30
         assert llm.engine.kv_cache_manager.usage == 0.0
 
 

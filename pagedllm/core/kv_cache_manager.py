@@ -112,7 +112,7 @@ class KVCacheManager:
 
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_new_computed_tokens
-            if self.enable_caching:
+            if self.enable_caching and not request.needs_prompt_logprobs:  # it does not look (get_computed_blocks)
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
 

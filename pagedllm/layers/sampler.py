@@ -197,7 +197,7 @@ class Sampler:
         # Pinned, so the copy neither blocks the host nor waits for the GPU to drain the model's kernels.
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _upload_ints(self, *parts: list[int] | np.ndarray) -> list[torch.Tensor]:
+    def upload_ints(self, *parts: list[int] | np.ndarray) -> list[torch.Tensor]:
         """Several int sequences as int64 tensors on the device, in one copy."""
         flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in parts])
         return list(self._to_device(torch.from_numpy(flat)).split([len(x) for x in parts]))
@@ -243,7 +243,7 @@ class Sampler:
         banned = [(i, t) for i in min_tokens_rows
                   for t in (*requests[i].eos_token_ids, *params[i].stop_token_ids) if t < vocab]
         (random_idx, filtered_idx, penalty_idx, logprob_idx, ban_rows, ban_tokens, bias_rows, bias_tokens,
-         penalty_tokens, penalty_num_tokens, penalty_num_prompt) = self._upload_ints(
+         penalty_tokens, penalty_num_tokens, penalty_num_prompt) = self.upload_ints(
             random_rows, filtered_rows, penalty_rows, logprob_rows, [i for i, _ in banned], [t for _, t in banned],
             [i for i, _, _ in biased], [t for _, t, _ in biased], np.concatenate(penalised_tokens) if penalised else [],
             [r.num_tokens for r in penalised], [r.num_prompt_tokens for r in penalised])

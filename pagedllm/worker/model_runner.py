@@ -282,28 +282,28 @@ class ModelRunner:
             else:
                 with set_forward_context(meta):
                     hidden = self.model(dev["input_ids"], dev["positions"])
-        prompt = self._prompt_logprobs(spans, hidden) if spans else None
         sampling = [it.request for it in items if it.sample]
-        if not sampling:
-            return [], None, prompt
-        # When rows 0..n-1 sample (every row of a decode-only step, as a rule), a slice replaces the gather.
-        n = len(sampling)
-        leading = step.logits_indices[-1] == n - 1
-        rows = slice(0, n) if leading else dev["logits_indices"][:n]
-        if head is None:
-            out = self.sampler(self.model.compute_logits(hidden[rows]), sampling)
-        else:
-            logits, greedy = head
-            out = self.sampler(None if logits is None else logits[rows], sampling, greedy[rows],
-                               sample_slot if leading else None)
-        self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
-        self._sampled_ids = out.device_token_ids
-        return sampling, out, prompt
+        out = None
+        if sampling:
+            # When rows 0..n-1 sample (every row of a decode-only step, as a rule), a slice replaces the gather.
+            n = len(sampling)
+            leading = step.logits_indices[-1] == n - 1
+            rows = slice(0, n) if leading else dev["logits_indices"][:n]
+            if head is None:
+                out = self.sampler(self.model.compute_logits(hidden[rows]), sampling)
+            else:
+                logits, greedy = head
+                out = self.sampler(None if logits is None else logits[rows], sampling, greedy[rows],
+                                   sample_slot if leading else None)
+            self._sampled_rows = {r.request_id: i for i, r in enumerate(sampling)}
+            self._sampled_ids = out.device_token_ids
+        # after the samples, which the step's other requests wait for
+        return sampling, out, self._prompt_logprobs(spans, hidden) if spans else None
 
     def _prompt_logprobs(self, spans: list[tuple[Request, int, int, int, int]], hidden: torch.Tensor) -> PromptLogprobs:
         rows = np.concatenate([np.arange(row, row + count) for _, _, count, _, row in spans])
         targets = np.concatenate([r.prompt_token_ids[first:first + count] for r, first, count, _, _ in spans])
-        rows, targets = (torch.from_numpy(a).to(self.device) for a in (rows, targets))
+        rows, targets = self.sampler.upload_ints(rows, targets)
         return prompt_logprobs(self.model.compute_logits, hidden[rows], targets, [span[:4] for span in spans],
                                self.model.head_weight().shape[0])
 
