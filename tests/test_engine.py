@@ -113,6 +113,20 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(llm):
     assert llm.engine.stats()["kv_cache_usage_perc"] == 0.0
 
 
+def test_a_kv_cache_sized_below_max_model_len_is_refused_at_start():
+    """As vLLM: where the memory left holds fewer tokens than max_model_len, the engine does not start (a sequence
+    of that length could never run), naming what to change; num_kv_blocks set by hand still starts (a request that
+    cannot fit the pool is then refused by itself)."""
+    from pagedllm.bench.shapes import model_dir_for
+    options = dict(load_format="dummy", device="cpu", block_size=16)
+    per_block = LLM(model_dir_for("tiny"), max_model_len=64, **options).engine.runner._bytes_per_block()
+    space = 3.5 * per_block / 2 ** 30  # three blocks: 48 tokens
+    with pytest.raises(ValueError, match="holds 48 tokens, fewer than max_model_len=64"):
+        LLM(model_dir_for("tiny"), max_model_len=64, cpu_kv_cache_space_gb=space, **options)
+    for sized in (dict(max_model_len=48, cpu_kv_cache_space_gb=space), dict(max_model_len=64, num_kv_blocks=3)):
+        assert LLM(model_dir_for("tiny"), **sized, **options).engine.runner.num_blocks == 3
+
+
 def test_stop_strings_without_a_tokenizer_are_refused():
     """Stop strings are matched in the detokenized text: a model without a tokenizer refuses them rather than
     ignoring them, naming stop_token_ids, and keeps serving."""

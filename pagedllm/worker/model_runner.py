@@ -127,10 +127,12 @@ class ModelRunner:
             budget = total * cfg.gpu_memory_utilization - used - activations
         else:
             budget = self.config.cpu_kv_cache_space_gb * (1 << 30)
-        num_blocks = int(budget // self._bytes_per_block())
-        if num_blocks < 1:
-            raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens, raise "
-                             "gpu_memory_utilization / cpu_kv_cache_space_gb, or set num_kv_blocks")
+        num_blocks = max(0, int(budget // self._bytes_per_block()))
+        if num_blocks * self.block_size < self.config.max_model_len:  # vLLM refuses to start too
+            raise ValueError(f"the memory left for the KV cache holds {num_blocks * self.block_size} tokens, fewer "
+                             f"than max_model_len={self.config.max_model_len}, so a sequence of that length could "
+                             "never run: lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization "
+                             "/ cpu_kv_cache_space_gb, or set num_kv_blocks")
         # More blocks than every sequence at full length could use is wasted memory.
         needed = self.config.max_num_seqs * math.ceil(self.config.max_model_len / self.block_size)
         return min(num_blocks, needed)
