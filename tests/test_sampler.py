@@ -329,3 +329,27 @@ def test_reused_host_buffers_keep_every_output():
         assert out.logprobs[0] is None
         got = {t: e.logprob for t, e in out.logprobs[1].items()}
         assert got == pytest.approx({t: expected[t].item() for t in expected.topk(2).indices.tolist()})
+
+
+@pytest.mark.parametrize("vocab", [10, 100])
+def test_prompt_logprobs_slices_stay_within_what_the_runner_reserves(monkeypatch, vocab):
+    """Prompt logprobs run in slices of rows whose logits and log-softmax take at most prompt_logprobs_bytes (the
+    runner keeps that much free beside the KV cache); a row wider than a slice is a slice of its own. The slices give
+    what the whole log-softmax gives."""
+    from pagedllm.layers import sampler
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROBS_SLICE", 64)
+    gen = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(23, 8, generator=gen), torch.randn(vocab, 8, generator=gen)
+    targets = torch.randint(0, vocab, (23,), generator=gen)
+    widths = []
+
+    def logits(h):
+        widths.append(h.shape[0])
+        return h @ head.T
+    out = sampler.prompt_logprobs(logits, hidden, targets, [(None, 1, 23, 2)], vocab)
+    assert sum(widths) == 23 and max(widths) == max(1, 64 // vocab)
+    assert all(2 * w * vocab * 4 <= sampler.prompt_logprobs_bytes(vocab) for w in widths)
+    whole = torch.log_softmax(hidden @ head.T, dim=-1)
+    _, chosen, _, top, _ = out._host
+    torch.testing.assert_close(chosen, whole.gather(1, targets[:, None]).squeeze(1))
+    torch.testing.assert_close(top, whole.topk(2, dim=-1).values)

@@ -124,12 +124,21 @@ def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tupl
     return chosen, (logprobs >= chosen[:, None]).sum(-1), top.values, top.indices
 
 
+# Prompt logprobs are computed in slices of rows holding at most this many logits (256 MB in float32).
+PROMPT_LOGPROBS_SLICE = 2 ** 26
+
+
+def prompt_logprobs_bytes(vocab: int) -> int:
+    """The most memory prompt_logprobs takes at once: a slice's float32 logits and their log-softmax."""
+    return 2 * max(vocab, PROMPT_LOGPROBS_SLICE) * 4
+
+
 def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor,
                     spans: list[tuple[Request, int, int, int]], vocab: int) -> PromptLogprobs:
     """The logprobs of targets, the next prompt token of each row of hidden, under compute_logits (vocab logits a
-    row): in slices of rows whose float32 logits take ~256 MB at most."""
+    row): in slices of rows holding PROMPT_LOGPROBS_SLICE logits at most (one row where a row holds more)."""
     k = max(n for *_, n in spans)
-    step = max(1, 2 ** 26 // vocab)
+    step = max(1, PROMPT_LOGPROBS_SLICE // vocab)
     parts = [token_logprobs(torch.log_softmax(compute_logits(hidden[i:i + step]).float(), dim=-1),
                             targets[i:i + step], k) for i in range(0, len(targets), step)]
     return PromptLogprobs(spans, (targets, *(torch.cat(p) for p in zip(*parts))))

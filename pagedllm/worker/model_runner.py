@@ -17,7 +17,8 @@ from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefill, set_forward_context
-from pagedllm.layers.sampler import PromptLogprobs, Sampler, SamplerOutput, greedy_tokens, prompt_logprobs
+from pagedllm.layers.sampler import (PromptLogprobs, Sampler, SamplerOutput, greedy_tokens, prompt_logprobs,
+                                     prompt_logprobs_bytes)
 from pagedllm.ops.xattention import prefill_workspace_bytes
 from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views, zero_copy
 from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, screen_bytes
@@ -108,15 +109,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            # Room for the largest step's activations (a few MLP-wide tensors per token) and its fp32 logits;
-            # the piecewise graphs' pool holds as much again for their largest step, plus their static q and
-            # attention-output buffers. The graphs are captured after the cache is allocated.
+            # Room for the largest step's activations (a few MLP-wide tensors per token) and its fp32 logits, or
+            # after its samples the prompt logprobs' slices of them; the piecewise graphs' pool holds as much again
+            # for their largest step, plus their static q and attention-output buffers. The graphs are captured
+            # after the cache is allocated.
             cfg, hf = self.config, self.hf_config
             width = 4 * hf.intermediate_size + 8 * hf.hidden_size
             graph_tokens = min(cfg.max_num_batched_tokens, PIECEWISE_MAX_TOKENS) if piecewise_graphs else 0
             q_width = hf.num_attention_heads * self.head_size
+            logits = max(3 * cfg.max_num_seqs * hf.vocab_size * 4, prompt_logprobs_bytes(hf.vocab_size))
             activations = (((cfg.max_num_batched_tokens + graph_tokens) * width + 2 * graph_tokens * q_width)
-                           * self.dtype.itemsize + 3 * cfg.max_num_seqs * hf.vocab_size * 4)
+                           * self.dtype.itemsize + logits)
             if decode_graphs:  # the LM head's int8 screen they build, if any (DecodeGraphs.screen)
                 activations += screen_bytes(self.model)
             if self.sparse_prefill is not None and cfg.max_model_len >= cfg.xattn_min_prompt_len:
