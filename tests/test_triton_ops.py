@@ -222,6 +222,48 @@ def test_prefill_matches_reference(case, layout):
     assert_close(out[:-2], expected[:-2], dtype)
 
 
+@pytest.mark.parametrize("layout", reference.KV_CACHE_LAYOUTS)
+def test_bad_shapes_are_named_before_any_launch(layout):
+    """The kernels index with their arguments' shapes unchecked, so each op checks them first, as the reference and
+    the CUDA ops do: a wrong shape is a ValueError naming it, and nothing is written (on the GPU it would have read
+    or written out of bounds)."""
+    ops = _ops()
+    query, args = _decode_case(30, [20, 40], 8, 2, 64, 16, torch.float32, "auto", False, layout=layout)
+    (kc, vc, hkv, scale, tables, lens, bs, max_len), rest = args[1:9], args[9:]
+    cache = (kc.clone(), vc.clone())
+
+    def decode(fn, q=query, out=None, **over):
+        a = dict(kv=hkv, tables=tables, lens=lens, bs=bs, max_len=max_len, slopes=None) | over
+        fn(nan_like(q) if out is None else out, q, kc, vc, a["kv"], scale, a["tables"], a["lens"], a["bs"],
+           a["max_len"], a["slopes"], *rest[1:])
+
+    bad = [("query", dict(q=query[..., :32])), ("out shape", dict(out=torch.empty(2, 8, 32))),
+           ("num_kv_heads", dict(kv=4)), ("block_size", dict(bs=8)), ("block_tables", dict(tables=tables[:1])),
+           ("seq_lens", dict(lens=lens[:1])), ("alibi_slopes", dict(slopes=torch.ones(4)))]
+    for fn in (ops.paged_attention_v1, ops.paged_attention):
+        for name, over in bad:
+            with pytest.raises(ValueError, match=name):
+                decode(fn, **over)
+    exp_sums, max_logits, tmp_out = _v2_workspace(query, max_len, float("nan"))
+    with pytest.raises(ValueError, match="partitions"):  # max_seq_len past what the workspace holds
+        decode(lambda out, *a: ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *a), max_len=10_000)
+    with pytest.raises(ValueError, match="tmp_out"):
+        decode(lambda out, *a: ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out[:1], *a))
+    assert torch.isnan(tmp_out).all()
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ops.paged_prefill(nan_like(query), query, kc, vc, hkv, scale, tables, lens, qsl[:2], 3, max_len, None,
+                          *rest[1:])
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ops.paged_prefill(nan_like(query), query, kc, vc, 4, scale, tables, lens, qsl, 3, max_len, None, *rest[1:])
+    key = torch.ones(3, hkv, 64)
+    for k, slots in ((key[..., :32], torch.tensor([0, 1, 2])), (key, torch.arange(4))):
+        with pytest.raises(ValueError, match="key and value|slot_mapping"):
+            ops.reshape_and_cache(k, k, kc, vc, slots, "auto", 1.0, 1.0)
+    for now, before in zip((kc, vc), cache):  # unwritten slots hold NaN
+        torch.testing.assert_close(now, before, rtol=0, atol=0, equal_nan=True)
+
+
 def test_programmatic_launch_only_on_cuda_and_switchable(monkeypatch):
     """CPU tensors (the interpreter) never launch as programmatic dependents, and PAGEDLLM_PDL=0 turns them off
     everywhere (the kernels then run exactly as plain launches; tests/gpu run them with it on). Without PDL

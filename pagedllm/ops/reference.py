@@ -50,7 +50,7 @@ def fp8_dtype(kv_cache_dtype: str) -> torch.dtype | None:
 
 def cache_x(cache_dtype: torch.dtype) -> int:
     """Elements of ``cache_dtype`` per 16 bytes: the innermost dimension of the key cache."""
-    size = torch.empty((), dtype=cache_dtype).element_size()
+    size = cache_dtype.itemsize
     if 16 % size:
         raise ValueError(f"cache dtype {cache_dtype} has an element size that does not divide 16 bytes")
     return 16 // size
@@ -85,10 +85,8 @@ def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_si
             (num_blocks, num_kv_heads, head_size, block_size), cache_dtype)
 
 
-def as_vllm_layout(key_cache: torch.Tensor, value_cache: torch.Tensor):
-    """The cache pair as "vllm"-layout tensors: itself, or views of an "hnd" pair (a 4-D key cache)."""
-    if key_cache.dim() != 4:
-        return key_cache, value_cache
+def _hnd_shape(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(num_blocks, num_kv_heads, block_size, head_size, x) of an "hnd" cache pair (a 4-D key cache), checked."""
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"an 'hnd' key_cache {tuple(key_cache.shape)} needs a value_cache of the same "
                          f"shape, got {tuple(value_cache.shape)}")
@@ -97,6 +95,14 @@ def as_vllm_layout(key_cache: torch.Tensor, value_cache: torch.Tensor):
     if head_size % x or key_cache.stride(-1) != 1:
         raise ValueError(f"an 'hnd' key_cache needs a dense head_size dim divisible by x={x}, got shape "
                          f"{tuple(key_cache.shape)} strides {key_cache.stride()}")
+    return nb, hkv, bs, head_size, x
+
+
+def as_vllm_layout(key_cache: torch.Tensor, value_cache: torch.Tensor):
+    """The cache pair as "vllm"-layout tensors: itself, or views of an "hnd" pair (a 4-D key cache)."""
+    if key_cache.dim() != 4:
+        return key_cache, value_cache
+    *_, head_size, x = _hnd_shape(key_cache, value_cache)
     return (key_cache.unflatten(-1, (head_size // x, x)).transpose(2, 3), value_cache.transpose(2, 3))
 
 
@@ -139,10 +145,13 @@ def dequantize_kv(c: torch.Tensor, kv_cache_dtype: str, scale, dtype: torch.dtyp
 # Validation and gathering
 # ----------------------------------------------------------------------------------------------------
 def _check_caches(key_cache, value_cache, kv_cache_dtype):
-    """Validate the cache pair (either layout); return (num_blocks, num_kv_heads, head_size, block_size)."""
+    """Validate the cache pair (either layout) from its shapes, making no views (the Triton ops check every call);
+    return (num_blocks, num_kv_heads, head_size, block_size)."""
     f8 = fp8_dtype(kv_cache_dtype)
-    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
-    if key_cache.dim() != 5 or value_cache.dim() != 4:
+    hnd = key_cache.dim() == 4
+    if hnd:
+        nb, hkv, bs, head_size, _ = _hnd_shape(key_cache, value_cache)
+    elif key_cache.dim() != 5 or value_cache.dim() != 4:
         raise ValueError("key_cache must be [num_blocks, num_kv_heads, head_size/x, block_size, x] and "
                          "value_cache [num_blocks, num_kv_heads, head_size, block_size]; got shapes "
                          f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
@@ -155,6 +164,8 @@ def _check_caches(key_cache, value_cache, kv_cache_dtype):
     if f8 is not None and key_cache.dtype not in (torch.uint8, f8):
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs a uint8 or {f8} cache, "
                          f"got {key_cache.dtype}")
+    if hnd:
+        return nb, hkv, head_size, bs
     nb, hkv, d_x, bs, x = key_cache.shape
     if x != cache_x(key_cache.dtype):
         raise ValueError(f"key_cache's last dim is {x}, expected x={cache_x(key_cache.dtype)} "
@@ -165,8 +176,11 @@ def _check_caches(key_cache, value_cache, kv_cache_dtype):
     return nb, hkv, d_x * x, bs
 
 
-def _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                          block_size, alibi_slopes, kv_cache_dtype, num_seqs):
+def check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                         block_size, alibi_slopes, kv_cache_dtype, num_seqs):
+    """Validate an attention op's tensors from their shapes and dtypes alone, reading no values (so every backend
+    can afford it: no host synchronisation); return (num_blocks, num_kv_heads, head_size, block_size,
+    num_heads)."""
     nb, hkv, head_size, bs = _check_caches(key_cache, value_cache, kv_cache_dtype)
     if query.dim() != 3 or query.shape[2] != head_size:
         raise ValueError(f"query must be [*, num_heads, {head_size}], got {tuple(query.shape)}")
@@ -186,6 +200,18 @@ def _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, bloc
     if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
         raise ValueError(f"alibi_slopes must be [{num_heads}], got {tuple(alibi_slopes.shape)}")
     return nb, hkv, head_size, bs, num_heads
+
+
+def check_split_workspace(exp_sums, max_logits, tmp_out, query) -> int:
+    """Validate paged_attention_v2's partition workspace for query's shape; return its number of partitions."""
+    num_seqs, num_heads, head_size = query.shape
+    parts = tmp_out.shape[2] if tmp_out.dim() == 4 else -1
+    if tuple(tmp_out.shape) != (num_seqs, num_heads, parts, head_size) or \
+            tuple(exp_sums.shape) != (num_seqs, num_heads, parts) or exp_sums.shape != max_logits.shape:
+        raise ValueError("tmp_out must be [num_seqs, num_heads, max_num_partitions, head_size] and "
+                         "exp_sums/max_logits [num_seqs, num_heads, max_num_partitions]; got "
+                         f"{tuple(tmp_out.shape)}, {tuple(exp_sums.shape)}, {tuple(max_logits.shape)}")
+    return parts
 
 
 def _check_lens(lens, max_seq_len, block_tables, bs):
@@ -312,11 +338,9 @@ def _safe_max(m):
 # ----------------------------------------------------------------------------------------------------
 # Ops
 # ----------------------------------------------------------------------------------------------------
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
-    """Write ``key``/``value`` [num_tokens, num_kv_heads, head_size] into the paged caches at
-    ``slot_mapping`` [n] (n <= num_tokens: extra trailing tokens, e.g. CUDA-graph padding, are
-    ignored); slot -1 is skipped."""
-    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
+def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype):
+    """Validate reshape_and_cache's tensors from their shapes alone (as check_attention_args); return
+    (num_blocks, num_kv_heads, head_size, block_size)."""
     nb, hkv, head_size, bs = _check_caches(key_cache, value_cache, kv_cache_dtype)
     if key.dim() != 3 or tuple(key.shape[1:]) != (hkv, head_size) or key.shape != value.shape:
         raise ValueError(f"key and value must both be [num_tokens, {hkv}, {head_size}], got "
@@ -324,6 +348,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] > key.shape[0]:
         raise ValueError(f"slot_mapping must be 1-D with at most {key.shape[0]} entries, "
                          f"got {tuple(slot_mapping.shape)}")
+    return nb, hkv, head_size, bs
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    """Write ``key``/``value`` [num_tokens, num_kv_heads, head_size] into the paged caches at
+    ``slot_mapping`` [n] (n <= num_tokens: extra trailing tokens, e.g. CUDA-graph padding, are
+    ignored); slot -1 is skipped."""
+    key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
+    nb, hkv, head_size, bs = check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
     idx = torch.nonzero(slots >= 0).squeeze(1)
     if bool((slots < -1).any()) or idx.numel() and int(slots.max()) >= nb * bs:
@@ -350,8 +383,8 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
     """Single-pass decode attention: one query token per sequence, attending to its ``seq_len``
     cached tokens through ``block_tables``. Writes ``out`` [num_seqs, num_heads, head_size] in place."""
     key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
-    _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                          block_size, alibi_slopes, kv_cache_dtype, query.shape[0])
+    check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                         block_size, alibi_slopes, kv_cache_dtype, query.shape[0])
     sparse = _sparse_args(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
                           blocksparse_block_size, blocksparse_head_sliding_step)
     hkv, num_heads = key_cache.shape[1], query.shape[1]
@@ -380,14 +413,9 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     should compare only partitions that hold an attended token.)"""
     key_cache, value_cache = as_vllm_layout(key_cache, value_cache)
     num_seqs, num_heads, head_size = query.shape
-    _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                          block_size, alibi_slopes, kv_cache_dtype, num_seqs)
-    parts = tmp_out.shape[2] if tmp_out.dim() == 4 else -1
-    if tuple(tmp_out.shape) != (num_seqs, num_heads, parts, head_size) or \
-            tuple(exp_sums.shape) != (num_seqs, num_heads, parts) or exp_sums.shape != max_logits.shape:
-        raise ValueError("tmp_out must be [num_seqs, num_heads, max_num_partitions, head_size] and "
-                         "exp_sums/max_logits [num_seqs, num_heads, max_num_partitions]; got "
-                         f"{tuple(tmp_out.shape)}, {tuple(exp_sums.shape)}, {tuple(max_logits.shape)}")
+    check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                         block_size, alibi_slopes, kv_cache_dtype, num_seqs)
+    parts = check_split_workspace(exp_sums, max_logits, tmp_out, query)
     need = -(-max(seq_lens.tolist(), default=0) // PARTITION_SIZE)
     if need > parts:
         raise ValueError(f"{need} partitions of {PARTITION_SIZE} tokens are needed, tmp_out has {parts}")
@@ -434,15 +462,23 @@ def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, blo
                        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale)
 
 
+def check_prefill_shapes(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                         query_start_loc, alibi_slopes, kv_cache_dtype):
+    """The part of check_prefill_args that reads no values (as check_attention_args); returns its dims."""
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    dims = check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                                None, alibi_slopes, kv_cache_dtype, num_seqs)
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    return dims
+
+
 def check_prefill_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                        query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype):
     """Validate paged-prefill arguments; returns ``((num_blocks, num_kv_heads, head_size, block_size,
     num_heads), query_start_loc, q_lens, seq_lens)`` with the last three as Python lists."""
-    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    dims = _check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                                 None, alibi_slopes, kv_cache_dtype, num_seqs)
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1:
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    dims = check_prefill_shapes(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                                query_start_loc, alibi_slopes, kv_cache_dtype)
     qsl = [int(v) for v in query_start_loc.tolist()]
     lens = [int(v) for v in seq_lens.tolist()]
     q_lens = [b - a for a, b in zip(qsl, qsl[1:])]

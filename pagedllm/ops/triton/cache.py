@@ -4,6 +4,8 @@ Grid: (num_slots, num_kv_heads)."""
 import triton
 import triton.language as tl
 
+from pagedllm.ops import reference
+
 from . import _host
 from .paged_tile import _to_compute, cache_offsets, load_scale
 
@@ -55,6 +57,8 @@ def _reshape_and_cache_kernel(
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    # the kernel indexes with these shapes unchecked: a wrong one would write out of bounds
+    reference.check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
     layout, block_size, x = _host.cache_layout(key_cache, value_cache)
     num_slots = slot_mapping.shape[0]  # may be shorter than key (trailing padding tokens are ignored)
     if num_slots == 0:

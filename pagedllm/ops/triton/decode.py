@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops import reference
 from pagedllm.ops.reference import PARTITION_SIZE  # v2 partitions; the v2 workspace shapes depend on it
 
 from . import _host, pdl
@@ -171,6 +172,9 @@ def _config(query: torch.Tensor, head_pad: int, block_size: int):
 def _launch(out, partials, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
             block_size, alibi_slopes, kv_cache_dtype, k_scale, v_scale, num_parts, part_tokens, block_n,
             num_warps, num_stages, tp_rank=0, sparse_local=0, sparse_vert=0, sparse_block=64, sparse_step=0):
+    # the kernels index with these shapes unchecked: a wrong one would read or write out of bounds
+    reference.check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                                   block_size, alibi_slopes, kv_cache_dtype, query.shape[0])
     layout, block_size, x = _host.cache_layout(key_cache, value_cache)
     num_seqs, num_heads, head_size = query.shape
     group = num_heads // num_kv_heads
@@ -221,6 +225,10 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
                        block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale,
                        v_scale, tp_rank=0, blocksparse_local_blocks=0, blocksparse_vert_stride=0,
                        blocksparse_block_size=64, blocksparse_head_sliding_step=0):
+    parts = reference.check_split_workspace(exp_sums, max_logits, tmp_out, query)
+    if triton.cdiv(max_seq_len, PARTITION_SIZE) > parts:
+        raise ValueError(f"max_seq_len={max_seq_len} needs {triton.cdiv(max_seq_len, PARTITION_SIZE)} partitions "
+                         f"of {PARTITION_SIZE} tokens, tmp_out has {parts}")
     block_n, warps, stages = _config(query, triton.next_power_of_2(query.shape[-1]), block_size)
     block_n = min(block_n, PARTITION_SIZE)
     _launch(out, (max_logits, exp_sums, tmp_out), query, key_cache, value_cache, num_kv_heads, scale,

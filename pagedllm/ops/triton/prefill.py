@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops import reference
+
 from . import _host
 from .paged_tile import LOG2E, attend_range, load_scale
 
@@ -101,6 +103,9 @@ def paged_prefill(out, query, key_cache, value_cache, num_kv_heads, scale, block
                   query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
                   config=None):
     """``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `_config`'s (for sweeps)."""
+    # the kernel indexes with these shapes unchecked: a wrong one would read or write out of bounds
+    reference.check_prefill_shapes(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                                   query_start_loc, alibi_slopes, kv_cache_dtype)
     layout, block_size, x = _host.cache_layout(key_cache, value_cache)
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
