@@ -175,12 +175,15 @@ def _launch(out, partials, query, key_cache, value_cache, num_kv_heads, scale, b
     # the kernels index with these shapes unchecked: a wrong one would read or write out of bounds
     reference.check_attention_args(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                                    block_size, alibi_slopes, kv_cache_dtype, query.shape[0])
+    split = partials is not None
+    part_max, part_sum, part_out = partials if split else (out, out, out)
+    if split and reference.check_split_workspace(part_sum, part_max, part_out, query) < num_parts:
+        raise ValueError(f"{num_parts} partitions of {part_tokens} tokens are needed (max_seq_len), the workspace "
+                         f"(tmp_out) holds {part_out.shape[2]}")
     layout, block_size, x = _host.cache_layout(key_cache, value_cache)
     num_seqs, num_heads, head_size = query.shape
     group = num_heads // num_kv_heads
     k_scale, v_scale, scale_ptr = _host.scale_args(k_scale, v_scale)
-    split = partials is not None
-    part_max, part_sum, part_out = partials if split else (out, out, out)
     ms = part_max.stride() if split else (0, 0, 0)
     ts = part_out.stride() if split else (0, 0, 0, 0)
     grid = (num_kv_heads, num_seqs, num_parts)
@@ -225,10 +228,6 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
                        block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale,
                        v_scale, tp_rank=0, blocksparse_local_blocks=0, blocksparse_vert_stride=0,
                        blocksparse_block_size=64, blocksparse_head_sliding_step=0):
-    parts = reference.check_split_workspace(exp_sums, max_logits, tmp_out, query)
-    if triton.cdiv(max_seq_len, PARTITION_SIZE) > parts:
-        raise ValueError(f"max_seq_len={max_seq_len} needs {triton.cdiv(max_seq_len, PARTITION_SIZE)} partitions "
-                         f"of {PARTITION_SIZE} tokens, tmp_out has {parts}")
     block_n, warps, stages = _config(query, triton.next_power_of_2(query.shape[-1]), block_size)
     block_n = min(block_n, PARTITION_SIZE)
     _launch(out, (max_logits, exp_sums, tmp_out), query, key_cache, value_cache, num_kv_heads, scale,
