@@ -254,6 +254,8 @@ def split_plan(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
 
 def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                     block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale):
+    if query.dim() != 3:  # the split plan reads its shape before _launch checks the rest
+        raise ValueError(f"query must be [num_seqs, num_heads, head_size], got {tuple(query.shape)}")
     num_seqs, num_heads, head_size = query.shape
     block_n, warps, stages = _config(query, triton.next_power_of_2(head_size), block_size)
     parts, part_tokens = split_plan(num_seqs, num_kv_heads, max_seq_len, block_n, _host.num_sms(query.device))
