@@ -237,9 +237,10 @@ def test_bad_shapes_are_named_before_any_launch(layout):
         fn(nan_like(q) if out is None else out, q, kc, vc, a["kv"], scale, a["tables"], a["lens"], a["bs"],
            a["max_len"], a["slopes"], *rest[1:])
 
-    bad = [("query", dict(q=query[..., :32])), ("query", dict(q=query[0])), ("out shape", dict(out=torch.empty(2, 8, 32))),
-           ("num_kv_heads", dict(kv=4)), ("block_size", dict(bs=8)), ("block_tables", dict(tables=tables[:1])),
-           ("seq_lens", dict(lens=lens[:1])), ("alibi_slopes", dict(slopes=torch.ones(4)))]
+    bad = [("query", dict(q=query[..., :32])), ("query", dict(q=query[0])),
+           ("out shape", dict(out=torch.empty(2, 8, 32))), ("num_kv_heads", dict(kv=4)), ("block_size", dict(bs=8)),
+           ("block_tables", dict(tables=tables[:1])), ("seq_lens", dict(lens=lens[:1])),
+           ("alibi_slopes", dict(slopes=torch.ones(4)))]
     for fn in (ops.paged_attention_v1, ops.paged_attention):
         for name, over in bad:
             with pytest.raises(ValueError, match=name):
