@@ -135,18 +135,24 @@ def test_other_head_shapes(tmp_path, monkeypatch, arch):
 
 
 @triton.jit
-def _tile_lead(w, out, ROWS: tl.constexpr):
-    tl.store(out, decode_layer._weight_slice(w, 0, ROWS, ROWS, 256, 256, ROWS, 1, 256).shape[0])
+def _tile_rows(w, out, ROWS: tl.constexpr, PAIRS: tl.constexpr, OUTER: tl.constexpr):
+    wt = decode_layer._weight_slice(w, 0, ROWS, ROWS, 256, 256, ROWS, PAIRS, 256, OUTER)
+    i = (tl.arange(0, ROWS)[:, None, None, None] * PAIRS + tl.arange(0, PAIRS)[None, :, None, None]) * 256
+    tl.store(out + i + (tl.arange(0, 2)[None, None, :, None] * 128 + tl.arange(0, 128)[None, None, None, :]), wt)
 
 
 @pytest.mark.parametrize("warps_lead", [True, False])
 def test_both_tile_orders(tmp_path, monkeypatch, warps_lead):
-    """The GEMV tiles' dimension order follows where the Triton version puts the warps (decode_layer._WARPS_LEAD);
-    either order computes the same step, so a machine with either version tests both."""
+    """The GEMV tiles are loaded in the dimension order that puts the warps where the Triton version puts them
+    (decode_layer._WARPS_LEAD) and handed on as [rows, pairs, chunks, columns] either way; either order computes the
+    same step, so a machine with either version tests both."""
     monkeypatch.setattr(decode_layer, "_WARPS_LEAD", tl.constexpr(warps_lead))
-    lead = torch.zeros(1, dtype=torch.int32)
-    _tile_lead[(1,)](torch.zeros(16, 256), lead, ROWS=16)  # a row a warp, in two 128-column chunks
-    assert lead.item() == (16 if warps_lead else 2)
+    w = torch.arange(16 * 256, dtype=torch.float32).view(16, 256)
+    for rows, pairs, outer in ((16, 1, True), (8, 2, True), (4, 2, False)):  # rows over warps, fewer, chunks
+        out = torch.zeros(rows, pairs, 256)
+        _tile_rows[(1,)](w, out, ROWS=rows, PAIRS=pairs, OUTER=outer)
+        # pair p of row r: row p * rows + r of w
+        assert torch.equal(out, w[:rows * pairs].view(pairs, rows, 256).transpose(0, 1)), (rows, pairs, outer)
     _check_decode_step(tmp_path, monkeypatch, "qwen3", "hnd", torch.float32, 1e-5, (37,))
 
 

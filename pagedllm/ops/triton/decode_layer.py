@@ -51,10 +51,13 @@ the launch configs re-swept (twenty-fourth session) from 637 / 622 to 631 / 606 
 input held as bf16 pairs (thirty-first session, gate_up_tile) to 547 / 533, the norms' weights requested beside their
 rows and the newest token's loads before its reductions (thirty-second session) to 529 / 515, and at 1100 tokens 551
 -> 538 with partitions of whole pages, and at 4000 tokens (graphs bounded at 4096) from 687 to 628 with twice the
-partitions (thirty-third session, ATTENTION_SPLIT).
+partitions (thirty-third session, ATTENTION_SPLIT). Fewer CTA barriers a phase (forty-second session: gate_up's rest
+slice over its chunks, _store_held, qkv's input as pairs) took the engine's batch-1 step from 0.618 to 0.615 ms
+(alternating on one H100, forty-third session).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +119,8 @@ STEP_BYTES = 32768
 O_COLUMN_GROUPS = 2
 MAX_PROGRAMS = 128
 _WARPS = tl.constexpr(NUM_WARPS)
+# Inline PTX (_store_held) on NVIDIA GPUs only: not under the interpreter (read at import, as triton.jit reads it)
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.version.hip is None)
 # Where Triton lays a program's warps in a tile whose last dimension the lanes fill: over the leading dimensions
 # first up to 3.6 (the GPU machine's), over the ones nearest the last from 3.7 on (ptxas reports of this file's kernels
 # compiled by each; _weight_slice orders its tile's dimensions by it).
@@ -156,28 +161,56 @@ def _launch_dependents_after(dep):
 
 
 @triton.jit
+def _store_held(ptr, val, mask, FIRST_WARP: tl.constexpr = False):
+    """tl.store(ptr, val, mask=mask) (32- or 16-bit values) by the threads that hold val, in val's layout; with
+    FIRST_WARP by the first warp's only (val replicated over every warp). A GEMV's sums end replicated over the lanes
+    (or warps) that reduced them; Triton stores those through shared memory into a layout of one value a thread: two
+    CTA barriers at the end of a projection phase, on the layer's critical path. Each lane storing the value it holds
+    writes the same bytes 32 times in one instruction, one transaction."""
+    if _PTX:
+        only: tl.constexpr = "mov.u32 t, %tid.x; setp.lt.and.u32 p, t, 32, p;" if FIRST_WARP else ""
+        if val.dtype.primitive_bitwidth == 32:
+            tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; setp.ne.b32 p, $3, 0; " + only +
+                                      " @p st.global.b32 [$1], $2; }\nmov.b32 $0, 0;", "=r,l,r,r",
+                                      [ptr, val.to(tl.int32, bitcast=True), mask.to(tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:  # the value and its mask in one register (gate_up's phase is one register short of its cap)
+            held = (val.to(tl.int16, bitcast=True).to(tl.int32) & 65535) | (mask.to(tl.int32) << 16)
+            tl.inline_asm_elementwise("{ .reg .pred p; .reg .b16 v, m; .reg .u32 t; mov.b32 {v, m}, $2; "
+                                      "setp.ne.b16 p, m, 0; " + only + " @p st.global.b16 [$1], v; }\n"
+                                      "mov.b32 $0, 0;", "=r,l,r", [ptr, held], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
 def _globaltimer():
     """The GPU's nanosecond clock (the trace's timestamps)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
-def _tile_columns(v, ROWS_LEAD: tl.constexpr):
-    """A [chunks, CW] tensor of columns broadcast into a slice's tile (_weight_slice's dimension order)."""
-    if ROWS_LEAD:
-        return v[None, None, :, :]
+def _at(v, DIM: tl.constexpr):
+    """The 1-D v along dimension DIM of a 4-D tile."""
+    if DIM == 0:
+        t = v[:, None, None, None]
+    elif DIM == 1:
+        t = v[None, :, None, None]
+    elif DIM == 2:
+        t = v[None, None, :, None]
     else:
-        return v[:, None, None, :]
+        t = v[None, None, None, :]
+    return t
 
 
 @triton.jit
 def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constexpr, RPP: tl.constexpr,
                   PAIRS: tl.constexpr, ROW: tl.constexpr, OUTER: tl.constexpr = True):
     """Rows row0 ... row0 + RPP - 1 of w [n_rows (x PAIRS), K] (rows ROW elements apart), their columns in chunks of
-    one warp's coalesced width (CW), as a tile of [RPP, PAIRS, chunks, CW] or [chunks, PAIRS, RPP, CW]. The order
-    decides where Triton puts the warps (_WARPS_LEAD). With OUTER, a slice of at least a row (or pair) per warp has
-    them over its rows: every thread sums its own chunks, the lanes each row with one shuffle reduction, and gate's
-    and up's rows stay in one thread. On the H100 (benchmarks/results/README.md, thirtieth session) that took qkv's
+    one warp's coalesced width (CW), as a tile of [RPP, PAIRS, chunks, CW] (loaded in the order that puts Triton's
+    warps where they belong, below). With OUTER, a slice of at least a row (or pair) per warp has them over its rows:
+    every thread sums its own chunks, the lanes each row with one shuffle reduction, and gate's and up's rows stay in
+    one thread. On the H100 (benchmarks/results/README.md, thirtieth session) that took qkv's
     phase from 488 to 352 instructions a thread, uncapped gate_up's from 1024 to 560, and the forward at 64 / 1024 /
     1500 / 4000 tokens from 580 / 585 / 611 / 731 to 551 / 561 / 589 / 708 us. Each thread then holds its lanes' columns
     of the input for every chunk, so gate_up holds a bf16 input as pairs (gate_up_tile) and down_proj's 8-row
@@ -188,27 +221,31 @@ def _weight_slice(w, row0, n_rows, row_limit, K: tl.constexpr, K_PAD: tl.constex
     step streams ~1 GB through the 50 MB L2), so their lines are the L2's first to go, before the phases' exchanges
     and the K/V: on the H100 (benchmarks/results/README.md, thirty-eighth session) the engine's batch-1 step 0.621-0.627
     -> 0.618-0.625 ms (~3 us), a process each, alternating, on two machines."""
-    ROWS_LEAD: tl.constexpr = (OUTER and RPP * PAIRS >= _WARPS) == _WARPS_LEAD
-    rows = row0 + tl.arange(0, RPP)
-    r = (tl.arange(0, PAIRS)[None, :] * n_rows + rows[:, None]).to(tl.int64)
-    row_ok = rows[:, None] < row_limit
-    if ROWS_LEAD:
-        r, row_ok = r[:, :, None, None], row_ok[:, :, None, None]
-    else:
-        r, row_ok = tl.trans(r)[None, :, :, None], tl.trans(row_ok)[None, :, :, None]
+    # Triton fills the warps from a tile's leading dimensions up to 3.6 and from those nearest the last after
+    # (_WARPS_LEAD): the rows first where a row (or pair) a warp, then the chunks, the pairs last, so that a slice of
+    # fewer rows than warps puts its other warps on its chunks, not between a gate row and its up row; else the
+    # chunks first. DR, DP, DC: the rows', pairs' and chunks' dimensions of the tile as loaded; it is returned as
+    # [RPP, PAIRS, chunks, CW] (a permutation of the registers' labels, not of the registers).
+    OVER_ROWS: tl.constexpr = OUTER and RPP * PAIRS >= _WARPS
+    DR: tl.constexpr = (0 if _WARPS_LEAD else 2) if OVER_ROWS else (2 if _WARPS_LEAD else 0)
+    DP: tl.constexpr = (2 if _WARPS_LEAD else 0) if OVER_ROWS else 1
+    DC: tl.constexpr = 1 if OVER_ROWS else (0 if _WARPS_LEAD else 2)
+    rows = _at(row0 + tl.arange(0, RPP), DR)
+    r = (_at(tl.arange(0, PAIRS), DP) * n_rows + rows).to(tl.int64)
+    row_ok = rows < row_limit
     # one warp's coalesced row segment: 16 bytes a thread
     WARP_COLS: tl.constexpr = 4096 // w.dtype.element_ty.primitive_bitwidth
     if w.dtype.element_ty == tl.bfloat16:
         HALF_PAD: tl.constexpr = K_PAD // 2
         CW: tl.constexpr = WARP_COLS // 2 if WARP_COLS // 2 < HALF_PAD else HALF_PAD
-        c = _tile_columns(tl.arange(0, HALF_PAD // CW)[:, None] * CW + tl.arange(0, CW)[None, :], ROWS_LEAD)
+        c = _at(tl.arange(0, HALF_PAD // CW), DC) * CW + _at(tl.arange(0, CW), 3)
         wt = tl.load(w.to(tl.pointer_type(tl.int32), bitcast=True) + r * (ROW // 2) + c, mask=row_ok & (c < K // 2),
                      other=0, eviction_policy="evict_first")
     else:
         CW: tl.constexpr = WARP_COLS if WARP_COLS < K_PAD else K_PAD
-        c = _tile_columns(tl.arange(0, K_PAD // CW)[:, None] * CW + tl.arange(0, CW)[None, :], ROWS_LEAD)
+        c = _at(tl.arange(0, K_PAD // CW), DC) * CW + _at(tl.arange(0, CW), 3)
         wt = tl.load(w + r * ROW + c, mask=row_ok & (c < K), other=0.0, eviction_policy="evict_first")
-    return wt
+    return tl.permute(wt, (DR, DP, DC, 3))
 
 
 @triton.jit
@@ -230,26 +267,25 @@ def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.cons
                OUT_STRIDE: tl.constexpr, OUTER: tl.constexpr = True, PACKED: tl.constexpr = False):
     """out[rows of the slice] = wt x (wt as _weight_slice gives it, for the same OUTER; out's rows OUT_STRIDE
     elements apart); PAIRS 2: silu(gate) * up, gate and up rounded as the layers round them."""
-    ROWS_LEAD: tl.constexpr = (OUTER and RPP * PAIRS >= _WARPS) == _WARPS_LEAD
-    CH: tl.constexpr = wt.shape[2] if ROWS_LEAD else wt.shape[0]
+    CH: tl.constexpr = wt.shape[2]
     CW: tl.constexpr = wt.shape[3]
     if wt.dtype == tl.int32 and PACKED:  # x (bf16) held as pairs too, each half widened where used (gate_up_tile)
         x_even, x_odd = tl.split(tl.reshape(x.to(tl.int16, bitcast=True).to(tl.int32), [CH * CW, 2]))
-        xp = _tile_columns(tl.reshape((x_odd << 16) | (x_even & 65535), [CH, CW]), ROWS_LEAD)
+        xp = tl.reshape((x_odd << 16) | (x_even & 65535), [CH, CW])[None, None, :, :]
         prod = ((wt << 16).to(tl.float32, bitcast=True) * (xp << 16).to(tl.float32, bitcast=True) +
                 (wt & -65536).to(tl.float32, bitcast=True) * (xp & -65536).to(tl.float32, bitcast=True))
     elif wt.dtype == tl.int32:  # bf16 pairs: the low half is the even column
         x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), [CH * CW, 2]))
         even = (wt << 16).to(tl.float32, bitcast=True)
         odd = (wt & -65536).to(tl.float32, bitcast=True)
-        prod = (even * _tile_columns(tl.reshape(x_even, [CH, CW]), ROWS_LEAD) +
-                odd * _tile_columns(tl.reshape(x_odd, [CH, CW]), ROWS_LEAD))
+        prod = (even * tl.reshape(x_even, [CH, CW])[None, None, :, :] +
+                odd * tl.reshape(x_odd, [CH, CW])[None, None, :, :])
     else:
-        prod = wt.to(tl.float32) * _tile_columns(tl.reshape(x.to(tl.float32), [CH, CW]), ROWS_LEAD)
-    if ROWS_LEAD:
+        prod = wt.to(tl.float32) * tl.reshape(x.to(tl.float32), [CH, CW])[None, None, :, :]
+    if OUTER and RPP >= _WARPS:  # no warps on the chunks: each thread sums its own first
         acc = tl.sum(tl.sum(prod, axis=2), axis=2)  # [RPP, PAIRS]
-    else:
-        acc = tl.trans(tl.sum(tl.sum(prod, axis=3), axis=0))
+    else:  # the lanes first, then the chunks across the warps, on a tile without its columns
+        acc = tl.sum(tl.sum(prod, axis=3), axis=2)
     rows = row0 + tl.arange(0, RPP)
     ok = rows < n_rows
     if PAIRS == 2:  # rounded as F.linear's output, then as fused.silu_and_mul rounds
@@ -263,6 +299,10 @@ def _gemv_rows(wt, x, row0, n_rows, out, bias, RPP: tl.constexpr, PAIRS: tl.cons
             val += tl.load(bias + rows, mask=ok, other=0.0).to(tl.float32)
     if out.dtype.element_ty == tl.int64:  # a split-K partial, added in fixed point (_FIXED_ONE)
         tl.atomic_add(out + rows * OUT_STRIDE, (val * _FIXED_ONE).to(tl.int64), mask=ok, sem="relaxed")
+    elif OUTER and RPP * PAIRS >= _WARPS:  # each row held by the lanes of one warp (or two)
+        _store_held(out + rows * OUT_STRIDE, val.to(out.dtype.element_ty), ok)
+    elif CH >= _WARPS:  # every warp on the chunks: after their reduction each holds every row, so one stores
+        _store_held(out + rows * OUT_STRIDE, val.to(out.dtype.element_ty), ok, True)
     else:
         tl.store(out + rows * OUT_STRIDE, val, mask=ok)
 
@@ -544,7 +584,7 @@ def _decoder_layer_kernel(
                 # read by the previous layer's phase D, which has ended: this layer's phase C adds into it
                 tl.store(o_sum + r * D + cols, tl.zeros([D_PAD], tl.int64), mask=cols < D)
             _gemv(w_qkv, share, pid, N_QKV, x, qkv + r * N_QKV, b_qkv, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, QKV_BIAS,
-                  D, 1)
+                  D, 1, True, True)
     if PHASE < 0:
         _grid_sync(barrier, barrier_base + NPROG)
     # o_proj is split over the kv heads, as attention is (OPP programs a kv head; its NP partitions are OPP or
