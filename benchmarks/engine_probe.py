@@ -20,6 +20,9 @@
   launches summed into one line, every other kernel and copy with its time and the gap before it.
 
     python benchmarks/engine_probe.py steps|trace|decode|argmax|gemm-layout|graph-launch|batch1|batch1-kernels
+        [--max-num-seqs N (the batch1 probes)]
+
+Variants against each other: benchmarks/alternate.py.
 """
 import argparse
 import collections
@@ -297,10 +300,11 @@ def probe_graph_launch():
             print(f"bs {bs} bound {bound}: (launch ms, launch+run ms) for replays 1..3: {times}", flush=True)
 
 
-def _batch1_engine():
-    """An engine with defaults, 30 steps into decoding one 1024-token prompt."""
+def _batch1_engine(max_num_seqs: int | None):
+    """An engine with defaults (but max_num_seqs, where given), 30 steps into decoding one 1024-token prompt."""
     import random
-    eng = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", dtype="bfloat16").engine
+    extra = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    eng = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", dtype="bfloat16", **extra).engine
     rng = random.Random(0)
     eng.add_request("batch1", [rng.randint(0, 10000) for _ in range(1024)],
                     SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
@@ -309,9 +313,9 @@ def _batch1_engine():
     return eng
 
 
-def probe_batch1():
+def probe_batch1(max_num_seqs: int | None = None):
     import statistics
-    eng = _batch1_engine()
+    eng = _batch1_engine(max_num_seqs)
     events = []
     eng.runner.execute = _timed(eng.runner.execute, lambda *record: events.append(record))
     torch.cuda.synchronize()
@@ -332,9 +336,9 @@ def probe_batch1():
           f"{1e3 * med(h for *_, h in events):.3f} ms (medians)")
 
 
-def probe_batch1_kernels(steps: int = 4):
+def probe_batch1_kernels(max_num_seqs: int | None = None, steps: int = 4):
     from torch.profiler import ProfilerActivity, profile
-    eng = _batch1_engine()
+    eng = _batch1_engine(max_num_seqs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps + 2):
@@ -374,4 +378,12 @@ PROBES = {"steps": probe_steps, "trace": probe_trace, "decode": probe_decode, "a
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("probe", choices=sorted(PROBES))
-    PROBES[parser.parse_args().probe]()
+    parser.add_argument("--max-num-seqs", type=int, help="the batch1 probes' engine's (2: it captures the decode "
+                        "graphs of one and two sequences only, minutes less on a cold machine)")
+    args = parser.parse_args()
+    if args.probe.startswith("batch1"):
+        PROBES[args.probe](args.max_num_seqs)
+    elif args.max_num_seqs is not None:
+        parser.error(f"--max-num-seqs is for the batch1 probes, not {args.probe}")
+    else:
+        PROBES[args.probe]()

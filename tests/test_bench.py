@@ -197,3 +197,67 @@ def test_decode_layer_sweep_variants():
             expected[3] = (16, {})
         assert configs(kernel, long, many, True) == expected
     assert configs(kernel, True, True, False)[2] == (8, {})  # no register caps where the backend takes none
+
+
+def _trees(tmp_path, values: dict[str, str]):
+    """A tree a variant, each with its own marker module: what the timed command reports is the tree's value."""
+    trees = []
+    for name, value in values.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "marker.py").write_text(f"VALUE = {value!r}\n")
+        trees.append(str(tmp_path / name))
+    return trees
+
+
+def test_alternate_takes_turns_and_tables_each_trees_values(tmp_path):
+    """Every tree's command runs in that tree, with its own code; the rounds alternate the order, each run's value
+    is the last matching line's, and the table sets each median against the first tree's."""
+    import sys
+    alternate = _benchmark("alternate")
+    trees = _trees(tmp_path, {"base": "2.0", "new": "1.5"})
+    beside = tmp_path / "beside.txt"
+    cmd = [sys.executable, "-c", "import marker, os; print('period 9 ms'); print(f'period {marker.VALUE} ms'); "
+           "open(os.path.join(os.environ['PYTHONPATH'], 'runs'), 'a').write('x')"]
+    lines = []
+    values = alternate.alternate(trees, cmd, r"period ([0-9.]+) ms", rounds=3, timeout=30, warmup_timeout=30,
+                                 deadline=300, log_dir=str(tmp_path / "logs"), warmup_with=f"echo ready > {beside}",
+                                 say=lines.append)
+    assert values == {trees[0]: [2.0] * 3, trees[1]: [1.5] * 3}
+    assert beside.read_text() == "ready\n"
+    assert [line.split(":")[0] for line in lines if line.startswith("round")] == [
+        f"round 1 {trees[0]}", f"round 1 {trees[1]}", f"round 2 {trees[1]}", f"round 2 {trees[0]}",
+        f"round 3 {trees[0]}", f"round 3 {trees[1]}"]
+    for tree in trees:  # the warm-up and three rounds, in each tree's own folder
+        assert (tmp_path / tree / "runs").read_text() == "x" * 4
+    rows = alternate.table(values).splitlines()[1:]
+    assert rows[0].split()[1:3] == ["2.0000", "+0.00%"] and rows[1].split()[1:3] == ["1.5000", "-25.00%"]
+
+
+def test_alternate_kills_a_run_at_its_timeout_and_keeps_to_the_deadline(tmp_path, capsys):
+    """A run past --timeout is killed and gives no value (the command exits 1: a tree without values); no round
+    starts that could end after --deadline."""
+    import sys
+    import time
+    alternate = _benchmark("alternate")
+    trees = _trees(tmp_path, {"base": "1.0", "hang": "0"})
+    cmd = [sys.executable, "-c", "import marker, time; time.sleep(60) if marker.VALUE == '0' else None; "
+           "print(f'period {marker.VALUE} ms')"]
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        alternate.main(["--trees", *trees, "--pattern", r"period ([0-9.]+) ms", "--rounds", "5", "--timeout", "2",
+                        "--warmup-timeout", "2", "--deadline", "5", "--log", str(tmp_path / "logs"), "--", *cmd])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and time.monotonic() - t0 < 30
+    assert f"warm-up {trees[1]}: killed at the warm-up limit" in out
+    assert f"round 1 {trees[1]}: no value (killed)" in out and "round 2 not started" in out
+    assert out.count(f"round 1 {trees[0]}: 1.0") == 1 and "round 2 " + trees[0] not in out
+
+
+def test_alternate_names_what_is_missing(tmp_path, capsys):
+    alternate = _benchmark("alternate")
+    with pytest.raises(SystemExit) as e:
+        alternate.main(["--trees", str(tmp_path / "nowhere"), "--pattern", "(1)", "--", "true"])
+    assert e.value.code == 2 and "not a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        alternate.main(["--trees", str(tmp_path), "--pattern", "(1)"])
+    assert e.value.code == 2 and "no command to time" in capsys.readouterr().err
