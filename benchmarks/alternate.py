@@ -12,7 +12,7 @@ with their median against the first tree's, is printed inside a device call's li
 program on PATH, or by an absolute path).
 
     python benchmarks/alternate.py --trees adhoc/base adhoc/new --pattern 'GPU period ([0-9.]+) ms' \\
-        --warmup-with 'cd adhoc/new && python -m pytest -q tests/gpu/test_greedy_head_gpu.py' \\
+        --warmup-with 'cd adhoc/new && PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_greedy_head_gpu.py' \\
         -- python benchmarks/engine_probe.py batch1 --max-num-seqs 2
 """
 from __future__ import annotations

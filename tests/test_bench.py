@@ -244,8 +244,8 @@ def test_alternate_kills_a_run_at_its_timeout_and_keeps_to_the_deadline(tmp_path
            "print(f'period {marker.VALUE} ms')"]
     t0 = time.monotonic()
     with pytest.raises(SystemExit) as e:
-        alternate.main(["--trees", *trees, "--pattern", r"period ([0-9.]+) ms", "--rounds", "5", "--timeout", "2",
-                        "--warmup-timeout", "2", "--deadline", "5", "--log", str(tmp_path / "logs"), "--", *cmd])
+        alternate.main(["--trees", *trees, "--pattern", r"period ([0-9.]+) ms", "--rounds", "5", "--timeout", "4",
+                        "--warmup-timeout", "4", "--deadline", "10", "--log", str(tmp_path / "logs"), "--", *cmd])
     out = capsys.readouterr().out
     assert e.value.code == 1 and time.monotonic() - t0 < 30
     assert f"warm-up {trees[1]}: killed at the warm-up limit" in out
