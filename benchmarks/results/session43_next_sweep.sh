@@ -15,10 +15,13 @@
 #   sed -i 's/num_warps=SCREEN_WARPS, \*\*pdl.options(x))/num_warps=SCREEN_WARPS, PDL=False)/' \
 #     adhoc/nopdl/pagedllm/ops/triton/greedy_head.py
 #   cp benchmarks/results/session43_next_sweep.sh adhoc/sweep.sh
-# then run `bash adhoc/sweep.sh` (timeout 600). Land a variant only if it is faster in every round and its
-# greedy-head GPU tests (run beside the warm-up) pass.
+# then run `bash adhoc/sweep.sh` (timeout 600). Land a variant only if it is faster in every round and its GPU tests
+# pass (those beside the warm-up may be cut by its limit: finish them in the next call).
 cd adhoc
-tests='for v in pick16 tma nopdl; do (cd $v && PYTHONPATH=$PWD timeout -k 5 -s KILL 100 python -m pytest -q \
+# beside the warm-up: tma's greedy-head and engine screened-head tests first, then the others' greedy-head tests
+tests='(cd tma && PYTHONPATH=$PWD timeout -k 5 -s KILL 200 python -m pytest -q tests/gpu/test_greedy_head_gpu.py \
+  tests/gpu/test_engine_gpu.py::test_screened_lm_head_gives_the_whole_heads_tokens 2>&1 | tail -2 | sed "s/^/tma: /")
+  for v in pick16 nopdl; do (cd $v && PYTHONPATH=$PWD timeout -k 5 -s KILL 55 python -m pytest -q \
   tests/gpu/test_greedy_head_gpu.py 2>&1 | tail -2 | sed "s/^/$v: /"); done'
 python base/benchmarks/alternate.py --trees base pick16 tma nopdl --pattern 'GPU period ([0-9.]+) ms' \
   --rounds 3 --timeout 45 --warmup-timeout 320 --deadline 500 --warmup-with "$tests" \
