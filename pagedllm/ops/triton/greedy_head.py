@@ -26,7 +26,10 @@ The int8 codes are stored as bytes q + 128, four to an int32 word, and widened e
 The screen's sum is a GEMV on the CUDA cores, which issues in less time than the codes take to arrive (2.8 TB/s
 on the H100, 8 rows a program of 2 warps; persistent programs streaming tiles through shared memory were no
 faster). Only steps of one sequence take it: at two rows the screen held twice the registers, fewer programs fit
-an SM, and it read at half the rate (108 us against head_linear's 105).
+an SM, and it read at half the rate (108 us against head_linear's 105). It is launched plainly, after the final
+norm: as a dependent launch its programs requested their codes beside the last layer's down_proj and waited there,
+and the engine's batch-1 step was 3-4 us slower on the H100 (benchmarks/results/README.md, forty-fifth and
+forty-sixth sessions).
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ MARGIN = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9}
 
 @triton.jit
 def _screen_kernel(x, codes, scale, bound, hi, top, V, gamma, K: tl.constexpr, WORDS_PAD: tl.constexpr,
-                   BN: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
+                   BN: tl.constexpr, SLOTS: tl.constexpr):
     tile = tl.program_id(0)
     n = tile * BN + tl.arange(0, BN)
     n_ok = n < V
@@ -66,9 +69,6 @@ def _screen_kernel(x, codes, scale, bound, hi, top, V, gamma, K: tl.constexpr, W
     s = tl.load(scale + n, mask=n_ok, other=0.0)
     err = tl.load(bound + n, mask=n_ok, other=0.0)
     norm = tl.load(bound + V + n, mask=n_ok, other=0.0)
-    if PDL:  # the codes are weights: requested before the wait for x
-        pdl.gdc_launch_dependents()
-        pdl.gdc_wait()
     dot = tl.zeros([BN, WORDS_PAD], tl.float32)
     sq = tl.zeros([WORDS_PAD], tl.float32)
     for b in tl.static_range(4):
@@ -172,7 +172,7 @@ class ScreenedHead:
         gamma = 4 * k * 2.0 ** -24 + 2.0 ** -20
         _screen_kernel[(triton.cdiv(v, SCREEN_ROWS),)](x, self.codes, self.scale, self.bound, hi, self.top, v, gamma,
                                                        K=k, WORDS_PAD=triton.next_power_of_2(k // 4), BN=SCREEN_ROWS,
-                                                       SLOTS=TOP_SLOTS, num_warps=SCREEN_WARPS, **pdl.options(x))
+                                                       SLOTS=TOP_SLOTS, num_warps=SCREEN_WARPS)
         return hi
 
     def bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
