@@ -185,16 +185,24 @@ def test_upload_sends_the_arrays_and_fills_placeholders(graph_step, placeholders
     assert gathered == ([True] if zero_copy else [])
 
 
-def test_graph_steps_sample_what_eager_steps_do():
+@pytest.mark.parametrize("staged", [False, True])
+def test_graph_steps_sample_what_eager_steps_do(monkeypatch, staged):
     """Decode steps through DecodeGraphs' static inputs (its graphs replaced by eager runs: capturing needs a GPU)
     against eager ones: batches padded to several captured sizes whose input layouts overlap in one buffer,
     several context bounds, placeholders whose sources move as requests come and go, preemption, sampling that
-    waits for each step (penalties)."""
+    waits for each step (penalties). Staged: each graph uploads its own inputs from the ring the host fills, by
+    the zero-copy kernel the graphs take on CUDA (here under the interpreter)."""
+    if staged:
+        pytest.importorskip("triton")
+        from pagedllm.ops.triton import transfer
+        monkeypatch.setattr(cuda_graph, "zero_copy", lambda device: transfer)
     options = dict(load_format="dummy", device="cpu", max_model_len=128, num_kv_blocks=24, max_num_seqs=6,
                    max_num_batched_tokens=64, block_size=8)
     graph_llm = LLM(model_dir_for("tiny"), **options)
     eager_llm = LLM(model_dir_for("tiny"), **options)
     replays = decode_graphs_on_cpu(graph_llm.engine.runner)
+    graphs = graph_llm.engine.runner.decode_graphs
+    assert all(graphs.uploads_inputs(bs) == staged for bs in graphs.sizes)
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(2, 40))] for _ in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(5, 60), ignore_eos=True) for _ in prompts]
@@ -204,8 +212,10 @@ def test_graph_steps_sample_what_eager_steps_do():
                for llm in (graph_llm, eager_llm)]
     assert outputs[0] == outputs[1]
     assert {bs for bs, _, _ in replays} == {1, 2, 4, 6} and len({bound for _, bound, _ in replays}) > 1
-    assert graph_llm.engine.runner.decode_graphs.has_head(6)  # the graphs' logits and greedy ids were sampled
+    assert graphs.has_head(6)  # the graphs' logits and greedy ids were sampled
     assert graph_llm.engine.stats()["num_preemptions"] > 0
+    if staged:  # the device's counter and the host's ring walked in step
+        assert graphs.ring.counter.item() == graphs.ring.next == len(replays) % len(graphs.ring.events)
 
 
 def test_plain_greedy_steps_of_one_sequence_take_the_screened_graph():

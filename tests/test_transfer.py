@@ -47,6 +47,29 @@ def test_upload_copies_then_gathers_past_one_iteration():
     assert torch.equal(ids, expected) and torch.equal(placeholders, torch.stack([rows, sources]))
 
 
+def test_ring_upload_takes_the_slot_its_counter_names_and_skips_padding_columns():
+    """A graph's upload replays with the same arguments: each run copies the next slot round the ring, then gathers
+    only the placeholder columns with a source (-1 pads them to the graph's rows)."""
+    rows, slots = 4, 3
+    dev = torch.zeros(8 * 3 * rows, dtype=torch.uint8)
+    ids, placeholders = dev[:8 * rows].view(torch.int64), dev[8 * rows:].view(torch.int64).view(2, rows)
+    ring = torch.zeros(slots, dev.numel() + 16, dtype=torch.uint8)
+    for s in range(slots):
+        ring[s, :8 * rows].view(torch.int64).copy_(torch.arange(rows) + 100 * s)
+        ring[s, 8 * rows:dev.numel()].view(torch.int64).view(2, rows).copy_(
+            torch.tensor([[s, -1, -1, -1], [s + 1, -1, -1, -1]]))
+    counter = torch.zeros(1, dtype=torch.int32)
+    sampled = torch.arange(10) * -1 - 1
+    for run in range(slots + 2):
+        transfer.upload_from_ring(ring, counter, dev, placeholders, sampled, ids)
+        s = run % slots
+        expected = torch.arange(rows) + 100 * s
+        expected[s] = sampled[s + 1]
+        assert torch.equal(ids, expected) and counter.item() == (run + 1) % slots
+    with pytest.raises(ValueError, match="from slots of"):
+        transfer.upload_from_ring(ring[:, :16], counter, dev, placeholders, sampled, ids)
+
+
 def test_upload_refuses_what_it_cannot_move():
     with pytest.raises(ValueError, match="bytes into"):
         transfer.upload(torch.zeros(8, dtype=torch.uint8), torch.zeros(12, dtype=torch.uint8))

@@ -6,9 +6,10 @@ import functools
 import math
 import os
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from types import ModuleType
 
+import numpy as np
 import torch
 
 ALIGN = 16  # bytes: every packed tensor starts where any dtype's view may start
@@ -48,6 +49,21 @@ def _offsets(specs: Collection[Spec]) -> tuple[list[int], int]:
         offsets.append(total)
         total += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
     return offsets, total
+
+
+def write_packed(host: torch.Tensor, buffer: torch.Tensor, views: Iterable[torch.Tensor],
+                 arrays: Iterable[np.ndarray]) -> tuple[int, int]:
+    """Writes each array into the leading corner of its view's place in host, a uint8 host tensor laid out as
+    buffer, the device buffer (uint8) the views lie in, each with the array's dtype. Returns the byte range
+    [start, end) written (start >= end where nothing was)."""
+    host_bytes, base, start, end = host.numpy(), buffer.data_ptr(), buffer.numel(), 0
+    for view, a in zip(views, arrays):
+        if a.size:
+            offset, strides = view.data_ptr() - base, [s * a.itemsize for s in view.stride()]
+            np.ndarray(a.shape, a.dtype, host_bytes, offset, strides)[...] = a
+            start = min(start, offset)
+            end = max(end, offset + sum((n - 1) * s for n, s in zip(a.shape, strides)) + a.itemsize)
+    return start, end
 
 
 class HostBuffers:
@@ -98,3 +114,30 @@ class HostRing:
         if reader is not None:
             reader()
         return i
+
+
+class UploadRing:
+    """Pinned host slots for uploads captured in CUDA graphs (transfer.upload_from_ring). A graph replays its kernel
+    with the same pointers each time, so the kernel reads the slot a device-side counter names and moves the counter
+    on, while the host fills the slots in the same round-robin order: they stay in step as long as each filled slot
+    is committed once the run that uploads it is queued, and nothing else runs the kernel. A slot is filled again
+    only once that run has ended (its event; on the CPU, where the interpreter runs the kernel, it has)."""
+
+    def __init__(self, device: torch.device, num_slots: int, nbytes: int) -> None:
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(num_slots, -(-nbytes // ALIGN) * ALIGN, dtype=torch.uint8, pin_memory=cuda)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(num_slots)]
+        self.next = 0
+
+    def slot(self) -> torch.Tensor:
+        """The slot the next run uploads; filling it again before commit() is fine (nothing ran)."""
+        if self.events[self.next] is not None:
+            self.events[self.next].synchronize()
+        return self.host[self.next]
+
+    def commit(self) -> None:
+        """After queueing the run that uploads the slot last filled."""
+        if self.events[self.next] is not None:
+            self.events[self.next].record()
+        self.next = (self.next + 1) % len(self.events)

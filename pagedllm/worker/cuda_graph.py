@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from pagedllm.layers.attention import Attention, AttentionMetadata, set_forward_context
 from pagedllm.layers.norm import fused_kernels
 from pagedllm.layers.sampler import greedy_tokens
-from pagedllm.worker.buffers import HostRing, packed_size, packed_views, zero_copy
+from pagedllm.worker.buffers import HostRing, UploadRing, packed_size, packed_views, write_packed, zero_copy
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Token counts of the piecewise graphs: doubling while a step is small enough that padding costs little, then
@@ -50,6 +51,10 @@ HEAD_MAX_BATCH = 32
 # (HostRing), the one the step uploaded: the host reads them there, without a copy kernel after the graph. The engine
 # reads a step's samples one step later, so two would do; a third is a margin.
 SAMPLE_SLOTS = 3
+# A graph whose inputs fit the zero-copy upload kernel in one pass (transfer.MAX_WORDS) uploads them itself, from
+# one of this many pinned slots (UploadRing), the host filling the next while earlier steps run. Launched before the
+# graph, the upload left a gap before the graph's first kernel, which could not start early beside it.
+UPLOAD_SLOTS = 3
 # Steps of one sequence whose rows all take the plain argmax get a graph of their own that screens the LM head on an
 # int8 copy (ops.triton.greedy_head, V x K bytes more memory) instead of computing every logit. PAGEDLLM_GREEDY_SCREEN=0
 # keeps the head as it is (benchmarks/results/README.md's A/B).
@@ -81,6 +86,13 @@ class DecodeGraphs(_Ladder):
         self.buffer = torch.zeros(max(packed_size(s.values()) for s in specs.values()), dtype=torch.uint8,
                                   device=device)
         self.inputs = {bs: dict(zip(spec, packed_views(self.buffer, spec.values()))) for bs, spec in specs.items()}
+        self.nbytes = {bs: packed_size(spec.values()) for bs, spec in specs.items()}
+        self.transfer = zero_copy(device)
+        staged = [n for n in self.nbytes.values() if self.transfer is not None and self.transfer.fits(n)]
+        self.ring = UploadRing(device, UPLOAD_SLOTS, max(staged)) if staged else None
+        # the previous step's samples, where the graphs that upload their inputs gather the placeholder ids from;
+        # the greedy ids of the graphs with the head are its first rows
+        self.sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         lowest = min(MIN_CONTEXT_BOUND, 1 << max(0, (max_model_len // 8).bit_length() - 1))
         self.context_bounds = _powers_of_two(lowest, max_model_len) + [max_model_len]
         # (batch size, context bound, screened) -> graph and its output
@@ -104,10 +116,35 @@ class DecodeGraphs(_Ladder):
             decode_max_seq_len=bound, prefill_block_tables=None, prefill_seq_lens=None,
             prefill_query_start_loc=None, prefill_max_query_len=0, prefill_max_seq_len=0)
 
+    def uploads_inputs(self, bs: int) -> bool:
+        """Whether the graphs of bs rows upload their inputs themselves (from stage()), else they are to be in
+        self.inputs[bs] before run()."""
+        return self.ring is not None and self.transfer.fits(self.nbytes[bs])
+
+    def stage(self, bs: int, arrays: dict[str, np.ndarray], sampled: torch.Tensor | None) -> None:
+        """For graphs that uploads_inputs(bs): writes a step's arrays (self.inputs[bs]'s names) where the next run()
+        uploads them, placeholders [2, k] padded to bs columns; sampled: the previous step's samples, which the
+        placeholders index (None where k = 0)."""
+        placeholders = np.full((2, bs), -1, dtype=np.int64)
+        placeholders[:, :arrays["placeholders"].shape[1]] = arrays["placeholders"]
+        views = self.inputs[bs]
+        write_packed(self.ring.slot(), self.buffer, views.values(),
+                     [placeholders if name == "placeholders" else arrays[name] for name in views])
+        if sampled is not None and sampled.data_ptr() != self.sampled.data_ptr():
+            self.sampled[:len(sampled)].copy_(sampled)
+
     def _pad(self, bs: int) -> None:
-        """Sets the inputs of size bs to a step of padding rows only (slot -1, seq_len 0), which writes nothing."""
+        """Sets the inputs of size bs to a step of padding rows only (slot -1, seq_len 0, no placeholders), which
+        writes nothing, where the next run uploads them from."""
         self.buffer.zero_()
         self.inputs[bs]["slot_mapping"].fill_(-1)
+        self.inputs[bs]["placeholders"].fill_(-1)
+        if self.uploads_inputs(bs):
+            self.ring.slot()[:self.nbytes[bs]].copy_(self.buffer[:self.nbytes[bs]])
+
+    def _ran(self, bs: int) -> None:
+        if self.uploads_inputs(bs):
+            self.ring.commit()
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -122,6 +159,7 @@ class DecodeGraphs(_Ladder):
                     with set_forward_context(self._metadata(bs, bound)):
                         # A run outside the graph compiles every kernel for this shape before capture.
                         self._forward(bs, inputs, screened)
+                        self._ran(bs)
                         torch.cuda.synchronize()
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=pool):
@@ -134,16 +172,20 @@ class DecodeGraphs(_Ladder):
         for (bs, _, _), graph in self.graphs.items():
             self._pad(bs)
             graph.replay()
+            self._ran(bs)
         torch.cuda.synchronize()
 
     def _forward(self, bs: int, inputs: dict[str, torch.Tensor], screened: bool = False) -> torch.Tensor:
+        if self.uploads_inputs(bs):
+            self.transfer.upload_from_ring(self.ring.host, self.ring.counter, self.buffer[:self.nbytes[bs]],
+                                           inputs["placeholders"], self.sampled, inputs["input_ids"])
         hidden = self.model(inputs["input_ids"], inputs["positions"])
         if bs <= HEAD_MAX_BATCH:
             if self.logits is None:  # at the first capture's warm-up run
                 logits = self.model.compute_logits(hidden)
                 rows = max(s for s in self.sizes if s <= HEAD_MAX_BATCH)
                 self.logits = torch.empty(rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
-                self.greedy = torch.empty(rows, dtype=torch.int64, device=logits.device)
+                self.greedy = self.sampled[:rows]
                 if fused_kernels(logits) is not None and zero_copy(logits.device) is not None:
                     self.greedy_host = HostRing(SAMPLE_SLOTS, rows)
             host = () if self.greedy_host is None else (self.greedy_host.rows, inputs["sample_slot"])
@@ -174,11 +216,12 @@ class DecodeGraphs(_Ladder):
 
     def run(self, bs: int, max_seq_len: int, screened: bool = False) -> torch.Tensor:
         """Hidden states [bs, hidden] of a decode-only step padded to the captured size bs, whose arrays are in
-        self.inputs[bs]; max_seq_len: its longest sequence; screened: by the graph of the screened head
-        (has_screen). Valid until the next run(), as are, where has_head(bs), the first bs rows of self.greedy
-        and, unless screened, of self.logits."""
+        self.inputs[bs] or, where uploads_inputs(bs), staged (stage()); max_seq_len: its longest sequence;
+        screened: by the graph of the screened head (has_screen). Valid until the next run(), as are, where
+        has_head(bs), the first bs rows of self.greedy and, unless screened, of self.logits."""
         key = bs, next(b for b in self.bounds_of(bs) if b >= max_seq_len), screened
         self.graphs[key].replay()
+        self._ran(bs)
         return self.outputs[key]
 
 

@@ -20,7 +20,7 @@ from pagedllm.layers.attention import Attention, AttentionMetadata, SparsePrefil
 from pagedllm.layers.sampler import (PromptLogprobs, Sampler, SamplerOutput, greedy_tokens, prompt_logprobs,
                                      prompt_logprobs_bytes)
 from pagedllm.ops.xattention import prefill_workspace_bytes
-from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views, zero_copy
+from pagedllm.worker.buffers import HostBuffers, packed_size, packed_views, write_packed, zero_copy
 from pagedllm.worker.cuda_graph import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, screen_bytes
 
 logger = logging.getLogger(__name__)
@@ -227,14 +227,17 @@ class ModelRunner:
     def _upload(self, step: StepInputs, static: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The step's arrays on the device (one transfer), with placeholder input ids filled in from the previous
         step's samples: as new tensors, or in the leading corners of a decode graph's static inputs
-        (DecodeGraphs.inputs) for a graph step."""
+        (DecodeGraphs.inputs) for a graph step, by the graph itself where it uploads them (staged)."""
         rows = step.placeholders[0]
         k = len(rows)
         if static is None:
             dev = dict(zip(_UPLOADED, self.uploader(*(getattr(step, name) for name in _UPLOADED))))
         else:
-            dev = static
-            if self.uploader.into(self.decode_graphs.buffer, static.values(), [getattr(step, name) for name in static],
+            dev, graphs, bs = static, self.decode_graphs, len(static["input_ids"])
+            if graphs.uploads_inputs(bs):
+                graphs.stage(bs, {name: getattr(step, name) for name in static}, self._sampled_ids if k else None)
+                return dev
+            if self.uploader.into(graphs.buffer, static.values(), [getattr(step, name) for name in static],
                                   (static["placeholders"], k, self._sampled_ids, static["input_ids"])):
                 return dev
         if k:
@@ -368,13 +371,7 @@ class Uploader:
         view, their count, the previous samples, the input ids' view) is given: then it returns True, else the
         caller gathers them."""
         host, copied = self.buffers.take(buffer.numel())  # laid out as the device buffer
-        host_bytes, base, start, end = host.numpy(), buffer.data_ptr(), buffer.numel(), 0
-        for view, a in zip(views, arrays):
-            if a.size:
-                offset, strides = view.data_ptr() - base, [s * a.itemsize for s in view.stride()]
-                np.ndarray(a.shape, a.dtype, host_bytes, offset, strides)[...] = a
-                start = min(start, offset)
-                end = max(end, offset + sum((n - 1) * s for n, s in zip(a.shape, strides)) + a.itemsize)
+        start, end = write_packed(host, buffer, views, arrays)
         kernel = self.transfer is not None and start < end and self.transfer.fits(end - start)
         if kernel:
             self.transfer.upload(host[start:end], buffer[start:end], *(placeholders or (None, 0, None, None)))

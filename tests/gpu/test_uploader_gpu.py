@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm.layers.sampler import SamplerOutput
-from pagedllm.worker.buffers import HostBuffers, HostRing, packed_size, packed_views
+from pagedllm.worker.buffers import HostBuffers, HostRing, UploadRing, packed_size, packed_views, write_packed
 from pagedllm.worker.model_runner import Uploader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -96,3 +96,47 @@ def test_samples_read_from_the_ring_their_argmax_wrote():
         outs.append((SamplerOutput(buffers, ids, ring_slot=(ring, slot)), logits.argmax(-1)))
     for out, want in outs:
         assert out.token_ids == want.tolist()
+
+
+def test_graph_uploads_each_step_from_the_slot_the_host_filled():
+    """A CUDA graph that uploads its own inputs (DecodeGraphs.uploads_inputs): the host fills the ring's slots ahead
+    of a busy GPU, each replay takes the next one with its placeholder ids gathered, and no slot is refilled before
+    the replay that reads it has run."""
+    from pagedllm.ops.triton import transfer
+    device = torch.device("cuda")
+    rows = 4
+    specs = [(torch.int64, (rows,)), (torch.int64, (2, rows)), (torch.int32, (rows, 16))]
+    static = torch.zeros(packed_size(specs), dtype=torch.uint8, device=device)
+    ids, placeholders, table = packed_views(static, specs)
+    ring = UploadRing(device, 3, static.numel())
+    sampled = torch.arange(rows, dtype=torch.int64, device=device) + 100
+
+    def step():
+        transfer.upload_from_ring(ring.host, ring.counter, static, placeholders, sampled, ids)
+        return (ids * 2).sum() + table.sum()
+
+    ring.slot().zero_()
+    step()  # compiles the kernel outside the capture
+    ring.commit()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    rng = np.random.default_rng(0)
+    busy = torch.randn(4096, 4096, device=device)
+    got, want = [], []
+    for _ in range(10):
+        busy = busy @ busy / 64
+        k = int(rng.integers(0, rows + 1))
+        arrays = [rng.integers(0, 1000, size=rows), np.full((2, rows), -1),
+                  rng.integers(0, 10**6, size=(rows, 16), dtype=np.int32)]
+        arrays[1][:, :k] = [rng.permutation(rows)[:k], rng.integers(0, rows, k)]
+        expected = arrays[0].copy()
+        expected[arrays[1][0, :k]] = arrays[1][1, :k] + 100
+        want.append(int(2 * expected.sum() + arrays[2].sum()))
+        write_packed(ring.slot(), static, [ids, placeholders, table], arrays)
+        graph.replay()
+        ring.commit()
+        got.append(out.clone())
+    torch.cuda.synchronize()
+    assert [int(t) for t in got] == want

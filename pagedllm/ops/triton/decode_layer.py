@@ -560,7 +560,7 @@ def _decoder_layer_kernel(
     pid = tl.program_id(0)
     if TRACE:
         started = _globaltimer()
-    if PDL and PHASE != 3:
+    if PDL and PHASE != 3 and not EMBED:
         # Launched as a programmatic dependent of the previous phase: let the next phase's programs start as
         # SMs free up (they can issue their weight loads), and wait for the previous phase before reading
         # anything it wrote. Every program waits, so a phase completes only after the one before it.
@@ -573,6 +573,11 @@ def _decoder_layer_kernel(
         share = _weight_share(w_qkv, pid, N_QKV, D, D_PAD, A_RPP, A_STEPS, A_RPP2, 1, D)
         if PDL:
             pdl.gdc_wait()
+            if EMBED:
+                # The step's first phase may follow the upload of its inputs inside the graph (transfer.py's
+                # upload_from_ring), which the later phases read before their waits (pdl.py): they start once
+                # it is over.
+                pdl.gdc_launch_dependents()
         ln = _norm_weight(w_ln, D, D_PAD)
         for r in tl.static_range(ROWS):  # the rows reuse the weights the program holds
             # the first layer's input: its rows of the embedding, gathered here (an embedding kernel and two

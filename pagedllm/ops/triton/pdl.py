@@ -5,11 +5,12 @@ kernel's tail (~1-3 us at decode sizes on the H100). A kernel launched with `lau
 soon as every program of the kernel before it has called `gdc_launch_dependents`; it must call `gdc_wait`,
 which returns once that kernel has completed and its writes are visible, before it reads or writes anything
 an earlier kernel touches. Work before the wait may only read what no kernel of the step writes: the
-weights; and, in a decode step whose first kernel is a plain launch (the embedding), the step's metadata
-(positions, seq_lens, slots, block tables: copied in before that kernel) and the K/V that earlier steps
-cached. Not the token ids (a decode's token id can be the previous step's sample). A kernel that waits
-completes only after the one before it, so the ordering stays transitive however many kernels start early;
-kernels launched without the attribute (cuBLAS, PyTorch) wait for their predecessor in full as always.
+weights; and, in a decode step whose first kernel is a plain launch (the embedding) or lets the next kernel
+start only after its wait (the decoder-layer kernel's first phase), the step's metadata (positions, seq_lens,
+slots, block tables: uploaded before that kernel) and the K/V that earlier steps cached. Not the token ids (a
+decode's token id can be the previous step's sample). A kernel that waits completes only after the one before
+it, so the ordering stays transitive however many kernels start early; kernels launched without the attribute
+(cuBLAS, PyTorch) wait for their predecessor in full as always.
 
 `PAGEDLLM_PDL=0` launches everything plainly (the A/B switch of benchmarks/results/README.md).
 """
