@@ -88,8 +88,10 @@ class DecodeGraphs(_Ladder):
         self.inputs = {bs: dict(zip(spec, packed_views(self.buffer, spec.values()))) for bs, spec in specs.items()}
         self.nbytes = {bs: packed_size(spec.values()) for bs, spec in specs.items()}
         self.transfer = zero_copy(device)
-        staged = [n for n in self.nbytes.values() if self.transfer is not None and self.transfer.fits(n)]
-        self.ring = UploadRing(device, UPLOAD_SLOTS, max(staged)) if staged else None
+        # the sizes whose graphs upload their own inputs (uploads_inputs)
+        self.staged = {bs for bs, n in self.nbytes.items() if self.transfer is not None and self.transfer.fits(n)}
+        self.ring = (UploadRing(device, UPLOAD_SLOTS, max(self.nbytes[bs] for bs in self.staged)) if self.staged
+                     else None)
         # the previous step's samples, where the graphs that upload their inputs gather the placeholder ids from;
         # the greedy ids of the graphs with the head are its first rows
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -119,7 +121,7 @@ class DecodeGraphs(_Ladder):
     def uploads_inputs(self, bs: int) -> bool:
         """Whether the graphs of bs rows upload their inputs themselves (from stage()), else they are to be in
         self.inputs[bs] before run()."""
-        return self.ring is not None and self.transfer.fits(self.nbytes[bs])
+        return bs in self.staged
 
     def stage(self, bs: int, arrays: dict[str, np.ndarray], sampled: torch.Tensor | None) -> None:
         """For graphs that uploads_inputs(bs): writes a step's arrays (self.inputs[bs]'s names) where the next run()
