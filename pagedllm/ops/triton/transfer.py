@@ -50,13 +50,15 @@ def _upload_kernel(host, slot_words, counter, num_slots, dev, num_words, placeho
             # letting anything else start (decode_layer.py's EMBED)
             pdl.gdc_launch_dependents()
         slot = tl.load(counter)
-        tl.store(counter, (slot + 1) % num_slots)
         host += slot * slot_words
     _copy_words(host, dev, num_words, BLOCK)
     # The placeholder rows' ids, just written as zeros, are the previous step's samples: gathered once every
     # thread's copy is visible (the placeholders themselves are among the words copied). Columns whose source is
     # negative pad a captured graph's placeholders to its rows.
     tl.debug_barrier()
+    if RING:
+        # past the barrier, so that no warp can read the counter after it has moved on
+        tl.store(counter, (slot + 1) % num_slots)
     for start in range(0, n, GATHER):
         j = start + tl.arange(0, GATHER)
         rows = tl.load(placeholders + j * stride_p1, mask=j < n, other=0)
