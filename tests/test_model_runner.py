@@ -218,6 +218,29 @@ def test_graph_steps_sample_what_eager_steps_do(monkeypatch, staged):
         assert graphs.ring.counter.item() == graphs.ring.next == len(replays) % len(graphs.ring.events)
 
 
+def test_capture_runs_of_staged_graphs_upload_padding(monkeypatch):
+    """Capture runs each graph's forward once before capturing it and replays it once after, on padding inputs: where
+    the graph uploads its own inputs, that padding is what it uploads (whatever the ring's slots held), and each
+    such run moves the device's counter and the host's ring on together."""
+    pytest.importorskip("triton")
+    from pagedllm.ops.triton import transfer
+    monkeypatch.setattr(cuda_graph, "zero_copy", lambda device: transfer)
+    llm = LLM(model_dir_for("tiny"), load_format="dummy", device="cpu", max_model_len=64, max_num_seqs=4)
+    decode_graphs_on_cpu(llm.engine.runner)
+    graphs = llm.engine.runner.decode_graphs
+    graphs.ring.host.zero_()  # a step writing slot 0 of every row, had the padding not been uploaded
+    with torch.inference_mode():
+        for bs in graphs.sizes:
+            graphs._pad(bs)
+            with set_forward_context(graphs._metadata(bs, graphs.bounds_of(bs)[0])):
+                graphs._forward(bs, graphs.inputs[bs])
+            graphs._ran(bs)
+            inputs = graphs.inputs[bs]
+            assert inputs["slot_mapping"].tolist() == [-1] * bs and inputs["decode_seq_lens"].tolist() == [0] * bs
+            assert inputs["placeholders"].tolist() == [[-1] * bs] * 2 and inputs["input_ids"].tolist() == [0] * bs
+    assert graphs.ring.counter.item() == graphs.ring.next == len(graphs.sizes) % len(graphs.ring.events)
+
+
 def test_plain_greedy_steps_of_one_sequence_take_the_screened_graph():
     """A decode step of one sequence whose token is its plain argmax replays the graph of the screened LM head (no
     logits); one that samples, asks for logprobs or is still within min_tokens replays the graph with the logits,
