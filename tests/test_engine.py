@@ -349,6 +349,47 @@ def test_request_ids_in_use_by_a_request_or_a_sample_are_refused():
     assert asyncio.run(asyncio.wait_for(run(), timeout=60)) == (True, 4)
 
 
+def test_a_bad_prompt_queued_behind_a_failing_step_gets_its_own_error():
+    """A step fails while a request with an empty prompt waits to be added: the add still says what is wrong with
+    the prompt (the server's 400), and the running request's stream says the engine died."""
+    import asyncio
+    import threading
+    from pagedllm.bench.shapes import model_dir_for
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDead
+    entered, release = threading.Event(), threading.Event()
+
+    def failing_step():
+        entered.set()
+        release.wait(timeout=30)
+        raise RuntimeError("simulated device error")
+
+    async def run():
+        aengine = AsyncLLMEngine(EngineConfig.from_kwargs(model_dir_for("tiny"), load_format="dummy", device="cpu",
+                                                          max_model_len=64))
+        aengine.engine.step = failing_step
+        aengine.start()
+        try:
+            running = aengine.open_stream()
+            await aengine.add_request(running, "a", [1, 2, 3], SamplingParams(max_tokens=5))
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+            bad = asyncio.create_task(aengine.add_request(aengine.open_stream(), "b", [], SamplingParams()))
+            await asyncio.sleep(0.05)  # queued on the engine thread behind the step
+            release.set()
+            with pytest.raises(ValueError, match="prompt"):
+                await bad
+            with pytest.raises(EngineDead):
+                async for _ in running:
+                    pass
+            with pytest.raises(EngineDead):
+                await aengine.add_request(aengine.open_stream(), "c", [1], SamplingParams())
+        finally:
+            await aengine.shutdown()
+
+    asyncio.run(asyncio.wait_for(run(), timeout=60))
+
+
 def test_chat_answers_sensibly(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)

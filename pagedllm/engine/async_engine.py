@@ -116,7 +116,7 @@ class AsyncLLMEngine:
             self.abort(request_id)
             raise
         except BaseException:
-            del self._streams[request_id]
+            self._streams.pop(request_id, None)  # gone already if a step failed while the add was queued
             stream._unfinished.discard(request_id)
             raise
         finally:
