@@ -5,6 +5,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclass
 class SamplingParams:
@@ -48,8 +50,10 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if not isinstance(getattr(self, name), numbers.Real) or not math.isfinite(getattr(self, name)):
-                raise bad(name, "must be a finite number")
+            value = getattr(self, name)
+            # the sampler computes in float32, where a larger value is infinite (-inf logits / inf are NaN)
+            if not isinstance(value, numbers.Real) or not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+                raise bad(name, f"must be a finite number (of at most {_FLOAT32_MAX:.4g} in magnitude)")
         if self.temperature < 0.0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:

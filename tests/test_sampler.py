@@ -27,7 +27,8 @@ def sample(requests, logits, seed=0):
     ("top_p", float("nan")), ("min_p", float("nan")), ("repetition_penalty", float("inf")),
     ("presence_penalty", float("nan")), ("frequency_penalty", float("nan")), ("logprobs", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("min_tokens", -1), ("seed", -2**63 - 1), ("seed", 2**63), ("stop", [""]),
-    ("stop_token_ids", [-1]), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 150.0}),
+    ("stop_token_ids", [-1]), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 150.0}), ("temperature", 1e39),
+    ("repetition_penalty", 1e39),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -163,6 +164,15 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
     req.append_output_token(8)
     req.append_output_token(8)
     assert sample([req], logits.clone()).token_ids == [0]
+
+
+def test_min_tokens_holds_at_the_largest_temperature():
+    """The ban's -inf logits stay -inf when divided by the largest temperature accepted (float32's largest)."""
+    logits = torch.zeros(8, VOCAB)
+    logits[:, 0] = 30.0
+    reqs = [make_request(str(i), temperature=3.4e38, min_tokens=2, seed=i) for i in range(8)]
+    tokens = sample(reqs, logits.clone()).token_ids
+    assert 0 not in tokens and len(set(tokens)) > 1
 
 
 def test_logprobs_are_raw_log_softmax_with_top_k():
