@@ -397,6 +397,17 @@ def test_chat_answers_sensibly(llm):
     assert out[0].outputs[0].finish_reason in ("stop", "length")
 
 
+def test_chat_continues_the_final_message_as_asked(llm):
+    """LLM.chat takes vLLM's template options: the assistant's last message left open for the model to go on."""
+    conversation = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("The capital of France is") and "Paris" in out.outputs[0].text
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(conversation, continue_final_message=True)
+
+
 def test_incremental_detokenization_handles_multibyte(llm):
     tok = llm.get_tokenizer()
     from pagedllm.engine.detokenizer import IncrementalDetokenizer

@@ -15,13 +15,16 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from conftest import MODEL
-from pagedllm import SamplingParams
+from pagedllm import SamplingParams, __version__
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Name three colors."}]
+TINY_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}A:{% endif %}")
+TINY_ORIGIN = "https://app.example"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,9 +77,12 @@ def tiny_server(tmp_path_factory):
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
     model_dir = tmp_path_factory.mktemp("tiny")
     (model_dir / "config.json").write_text(json.dumps(config))
-    proc, url = start_server([str(model_dir), "--load-format", "dummy", "--tokenizer", str(tokenizer_dir),
+    # vLLM's way of naming the model and flags its users pass; a chat template and CORS origins of its own
+    proc, url = start_server(["--model", str(model_dir), "--load-format", "dummy", "--tokenizer", str(tokenizer_dir),
                               "--served-model-name", "tiny", "--max-num-seqs", "1",
-                              "--max-waiting-requests", "4"])
+                              "--max-waiting-requests", "4", "--chat-template", TINY_TEMPLATE,
+                              "--allowed-origins", json.dumps([TINY_ORIGIN]), "--trust-remote-code", "-tp", "1",
+                              "--disable-log-stats", "--disable-log-requests"])
     yield url
     stop_server(proc)
 
@@ -270,8 +276,8 @@ def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, clien
     status, out = post(server, "/v1/completions", {"prompt": [5.0, 6, 7.0], "max_tokens": 2, "stop_token_ids": [1.0]})
     assert status == 200 and out["usage"]["prompt_tokens"] == 3, out
     assert post(server, "/detokenize", {"tokens": [5.0, 6]}) == post(server, "/detokenize", {"tokens": [5, 6]})
-    status, out = post(server, "/v1/completions", {"prompt": "hi", **nulls, "max_tokens": None, "logprobs": None,
-                                                   "echo": None})
+    # (max_tokens null means no limit: test_null_max_tokens_completes_up_to_the_context)
+    status, out = post(server, "/v1/completions", {"prompt": "hi", **nulls, "logprobs": None, "echo": None})
     assert status == 200 and out["usage"]["completion_tokens"] == 16, out
     chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True, stream_options={
         "include_usage": True, "continuous_usage_stats": True}))
@@ -289,10 +295,10 @@ def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, clien
 
 def test_unknown_fields_are_named_in_one_warning(caplog):
     with caplog.at_level("WARNING", logger="pagedllm.server"):
-        req = CompletionRequest.model_validate({"prompt": "hi", "suffix": "x", "response_format": {}, "n": None})
+        req = CompletionRequest.model_validate({"prompt": "hi", "suffix": "x", "frobnicate": {}, "n": None})
     assert req.n == 1
     assert [r.getMessage() for r in caplog.records] == [
-        "CompletionRequest: ignoring unsupported fields response_format, suffix"]
+        "CompletionRequest: ignoring unsupported fields frobnicate, suffix"]
 
 
 def test_best_of_other_than_n_names_best_of(server):
@@ -361,6 +367,59 @@ def test_models_health_tokenize_detokenize(server, client, llm):
     assert status == 200 and chat["count"] > body["count"]
 
 
+def test_chat_template_options_shape_the_prompt(server, client, llm):
+    """vLLM's template fields: the generation prompt off, the last message continued (left open), a template of
+    the request's own with its variables (chat_template_kwargs) and tools shown to it; chat completions render
+    the same prompt as /tokenize."""
+    tok = llm.get_tokenizer()
+    answer = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+
+    def rendered(**fields) -> str:
+        status, body = post(server, "/tokenize", {"messages": answer, **fields})
+        assert status == 200, body
+        return tok.decode(body["tokens"])
+
+    assert rendered().endswith("Red, green and<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered(add_generation_prompt=False).endswith("Red, green and<|im_end|>\n")
+    assert rendered(add_generation_prompt=False, continue_final_message=True).endswith("Red, green and")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    own = {"chat_template": "{% for m in messages %}{{ m.content }}|{% endfor %}{{ greeting }}|"
+                            "{% for t in tools %}{{ t.function.name }}{% endfor %}",
+           "chat_template_kwargs": {"greeting": "hey"}, "tools": tools}
+    assert rendered(**own) == "Name three colors.|Red, green and|hey|get_weather"
+    out = client.chat.completions.create(model=MODEL, messages=answer, max_tokens=1, tool_choice="none",
+                                         tools=tools, extra_body={k: own[k] for k in ("chat_template",
+                                                                                      "chat_template_kwargs")})
+    assert out.usage.prompt_tokens == len(tok("Name three colors.|Red, green and|hey|get_weather").input_ids)
+
+
+def test_the_servers_own_template_version_and_cors(tiny_server):
+    """--chat-template replaces the tokenizer's; /version answers; CORS lets the configured origin in."""
+    status, body = post(tiny_server, "/tokenize", {"messages": CHAT})
+    status, text = post(tiny_server, "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and text["prompt"] == "user: Name three colors.\nA:"
+    with urllib.request.urlopen(tiny_server + "/version") as r:
+        assert json.loads(r.read())["version"] == __version__
+    for origin, allowed in ((TINY_ORIGIN, True), ("https://elsewhere.example", False)):
+        preflight = urllib.request.Request(tiny_server + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST"})
+        try:
+            with urllib.request.urlopen(preflight) as r:
+                status, header = r.status, r.headers.get("access-control-allow-origin")
+        except urllib.error.HTTPError as e:
+            status, header = e.code, e.headers.get("access-control-allow-origin")
+        assert (status, header) == ((200, origin) if allowed else (400, None))
+
+
+def test_null_max_tokens_completes_up_to_the_context(tiny_server):
+    """As in vLLM, an explicit null max_tokens on /v1/completions is the rest of the context (the default is 16,
+    which this prompt would not even fit)."""
+    status, out = post(tiny_server, "/v1/completions", {"prompt": [5] * 4090, "max_tokens": None,
+                                                        "ignore_eos": True})
+    assert status == 200 and out["usage"]["completion_tokens"] == 6, out
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
 # ---- bad input --------------------------------------------------------------------------------------------
 BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400),  # malformed JSON
@@ -394,6 +453,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400),
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-nonexistent"}, 404),
     ("/v1/no-such-endpoint", {}, 404),
+    # refused rather than answered with text that ignores them (no structured output, no tool-call parsing)
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, 400),
 ]
 
 
@@ -416,6 +481,9 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "seed": 2**70}, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "guided_json": {"type": "object"}}, "guided_json"),
     # ids the tokenizer cannot even decode for the echo
     ("/v1/completions", {"prompt": [-1], "echo": True}, "prompt"),
     ("/v1/completions", {"prompt": [[5, 2**40]], "echo": True}, "prompt"),
@@ -449,6 +517,8 @@ def test_api_key_is_required_and_server_keeps_serving(server, client):
         assert status == 401 and error["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         OpenAI(base_url=server + "/v1", api_key="wrong-key", max_retries=0).models.list()
+    # as in vLLM, the key guards the /v1 API only
+    assert post(server, "/tokenize", {"prompt": "hi"}, key=None)[0] == 200
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-nonexistent", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -56,6 +57,11 @@ def _generate(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.openai.server import run_server
 
+    if args.model is not None and args.model_option is not None and args.model != args.model_option:
+        raise ValueError(f"two models given: {args.model} and --model {args.model_option}")
+    args.model = args.model or args.model_option or "smollm2-135m-instruct"
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: pagedllm runs a model on one GPU")
     run_server(args, engine_kwargs(args))
 
 
@@ -77,16 +83,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    serve.add_argument("model", nargs="?", default="smollm2-135m-instruct",
-                       help="HF directory, .gguf file, or the alias smollm2-135m-instruct")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF directory, .gguf file, or the alias smollm2-135m-instruct (the default)")
+    serve.add_argument("--model", dest="model_option", metavar="MODEL", default=None,
+                       help="the same as MODEL, as vLLM takes it")
+    serve.add_argument("--host", default="0.0.0.0", help="address to bind (default: every interface, as vLLM)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDLLM_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="model name in the API (default: MODEL)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="answer 503 while this many requests wait to be scheduled")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                       choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    serve.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS: a JSON list")
+    serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: a JSON list")
+    serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: a JSON list")
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument("--root-path", default=None, help="the path prefix of a proxy in front of the server")
+    serve.add_argument("--ssl-keyfile", default=None)
+    serve.add_argument("--ssl-certfile", default=None)
+    compat = serve.add_argument_group("accepted as vLLM takes them")
+    compat.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only: one GPU a server")
+    compat.add_argument("--trust-remote-code", action="store_true",
+                        help="nothing to trust: pagedllm runs no code from model repositories")
+    compat.add_argument("--disable-log-stats", action="store_true",
+                        help="nothing to disable: pagedllm logs no periodic stats")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     from pagedllm.entrypoints.bench import add_bench_parser

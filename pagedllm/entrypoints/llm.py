@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import render_chat
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -38,20 +39,20 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {'role', 'content'} messages) or a list of conversations."""
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {'role', 'content'} messages) or a list of conversations, rendered by the
+        chat template with vLLM's options (chat_utils.render_chat)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt)
-                   for conv in conversations]
-        # The template already holds any BOS token, so the text is not tokenized with special tokens again.
-        token_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        return self.generate([{"prompt": p, "prompt_token_ids": t} for p, t in zip(prompts, token_ids)],
-                             sampling_params, use_tqdm)
+        rendered = [render_chat(tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, chat_template=chat_template,
+                                chat_template_kwargs=chat_template_kwargs, tools=tools)
+                    for conv in conversations]
+        return self.generate([{"prompt": p, "prompt_token_ids": t} for p, t in rendered], sampling_params, use_tqdm)
 
     def _run(self, inputs: list[tuple[str | None, str | list[int]]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:

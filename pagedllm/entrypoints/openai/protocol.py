@@ -3,14 +3,15 @@
 Requests are strict about types: a wrong JSON type is a 400 rather than being coerced (an integral float such as
 3.0 still counts as an int). As in vLLM, unknown fields are ignored with a warning, so requests written for vLLM
 or OpenAI keep working, and JSON null means "use the default", as many non-Python clients send it for unset
-fields. Fields beyond OpenAI's are vLLM's sampling extras.
+fields (but for completions' max_tokens, where it means no limit, as in vLLM). Fields beyond OpenAI's are vLLM's
+sampling and chat template extras; what the server cannot honour (structured output, tool calls) is refused.
 """
 from __future__ import annotations
 
 import logging
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -35,13 +36,15 @@ Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
 class Strict(BaseModel):
     """Base of the request bodies."""
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Fields whose null is a value of its own rather than "the default" (as vLLM reads them).
+    _keeps_null: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls_and_unknown_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        data = {k: v for k, v in data.items() if v is not None}
+        data = {k: v for k, v in data.items() if v is not None or k in cls._keeps_null}
         unknown = data.keys() - cls.model_fields.keys()
         if unknown:
             logger.warning("%s: ignoring unsupported fields %s", cls.__name__, ", ".join(sorted(unknown)))
@@ -78,6 +81,27 @@ class _SamplingRequest(Strict):
     include_stop_str_in_output: bool = False
     # OpenAI's: token ids as JSON object keys (strings)
     logit_bias: dict[str, float] | None = None
+    # Structured output (OpenAI's response_format, vLLM's guided decoding) is not implemented: a request for it is
+    # refused rather than answered with unconstrained text.
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, response_format: dict[str, Any]) -> dict[str, Any]:
+        if response_format.get("type") != "text":
+            raise ValueError(f"response_format of type {response_format.get('type')!r} is not supported: this "
+                             "server has no structured output (only {'type': 'text'})")
+        return response_format
+
+    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    @classmethod
+    def _refuse_guided_decoding(cls, value: Any, info: ValidationInfo) -> Any:
+        raise ValueError(f"{info.field_name} is not supported: this server has no guided decoding")
 
     @field_validator("best_of")
     @classmethod
@@ -122,9 +146,10 @@ class _SamplingRequest(Strict):
 
 # ---- /v1/completions ------------------------------------------------------------------------------------
 class CompletionRequest(_SamplingRequest):
+    _keeps_null = frozenset({"max_tokens"})
     prompt: str | list[str] | list[Int] | list[list[Int]]
     echo: bool = False  # before max_tokens, whose check reads it
-    # 0 with echo: the prompt alone (and with logprobs its logprobs), as vLLM answers it
+    # 0 with echo: the prompt alone (and with logprobs its logprobs), as vLLM answers it; null: up to the context
     max_tokens: Int | None = Field(16, ge=0)
     logprobs: Int | None = Field(None, ge=0)
 
@@ -197,18 +222,36 @@ class ChatMessage(Strict):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         # Text parts are joined with newlines, as vLLM joins them.
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
         message = {"role": self.role, "content": content}
-        # Templates that render tool results or speaker names read these keys.
-        message.update((k, v) for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None)
+        # Templates that render tool calls and their results or speaker names read these keys.
+        message.update((k, v) for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id),
+                                           ("tool_calls", self.tool_calls)) if v is not None)
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatTemplateFields(Strict):
+    """vLLM's chat template options of a request (chat_utils.render_chat)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def template_options(self, default_template: str | None) -> dict[str, Any]:
+        return dict(add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message,
+                    chat_template=self.chat_template or default_template,
+                    chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tool_choice: str | dict[str, Any] | None = None
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -218,6 +261,16 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self):
+        # With tools, OpenAI's default is "auto": the model may answer with tool calls, which this server would
+        # return as plain text. Only "none" is honoured: the tools then reach the chat template and nothing else.
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice != "none":
+            raise ValueError(f"tool_choice {choice!r} is not supported: this server does not parse tool calls "
+                             "(with tool_choice 'none' the tools are only shown to the chat template)")
         return self
 
     @property
@@ -303,12 +356,11 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, errors in OpenAI's shape, API keys, uvicorn.
 
-`pagedllm serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]`.
+`pagedllm serve MODEL [--host 0.0.0.0] [--port 8000] [--api-key KEY] [--chat-template T] [engine options]`.
 """
 from __future__ import annotations
 
@@ -12,27 +12,28 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm import __version__
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse)
-from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing
+from pagedllm.entrypoints.openai.serving import REQUEST_LOGGER, APIError, OpenAIServing
 
 logger = logging.getLogger("pagedllm.server")
 
-# Probes and scrapers reach these without a key.
-_OPEN_PATHS = ("/health", "/metrics")
-
-
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app for an engine that is not started yet; its lifespan starts and stops the engine loop."""
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, chat_template: str | None = None,
+              cors: dict | None = None) -> FastAPI:
+    """The app for an engine that is not started yet; its lifespan starts and stops the engine loop. cors:
+    CORSMiddleware's options (default: any origin, method and header, as vLLM allows)."""
     metrics = ServerMetrics(model_name)
-    serving = OpenAIServing(engine, model_name, metrics)
+    serving = OpenAIServing(engine, model_name, metrics, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -44,6 +45,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     if api_key is not None:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: preflight requests carry no key, and browsers read errors (401s too) only with it.
+    app.add_middleware(CORSMiddleware, **(cors or dict(allow_origins=["*"], allow_methods=["*"],
+                                                        allow_headers=["*"])))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -72,6 +76,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             return _error(APIError(500, f"the engine stopped after an error: {engine.dead!r}", type="server_error"))
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
@@ -94,8 +102,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         serving.check_model(body.model)
         serving.need_tokenizer("tokenize")
         if body.messages is not None:
-            messages = [m.as_template_input() for m in body.messages]
-            _, ids = await engine.call(serving.chat_prompt, messages, body.add_generation_prompt)
+            _, ids = await serving.chat_prompt(body.messages, body)
         else:
             ids = await engine.call(
                 lambda: serving.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
@@ -114,14 +121,15 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
 
 class _APIKeyMiddleware:
-    """Plain ASGI middleware (not BaseHTTPMiddleware, which would sit between streams and disconnects)."""
+    """The key guards the API (/v1 routes), not probes, scrapers or the tokenizer routes, as in vLLM. Plain ASGI
+    middleware (not BaseHTTPMiddleware, which would sit between streams and disconnects)."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = _error(APIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
@@ -171,9 +179,16 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> None:
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.disable_log_requests:
+        logging.getLogger(REQUEST_LOGGER).setLevel(logging.WARNING)
+    chat_template = load_chat_template(args.chat_template)
     engine = AsyncLLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs), args.max_waiting_requests)
-    app = build_app(engine, args.served_model_name or args.model, args.api_key)
-    logger.info("serving %s on http://%s:%d (max_model_len=%d)", args.served_model_name or args.model,
+    cors = dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    app = build_app(engine, args.served_model_name or args.model, args.api_key, chat_template, cors)
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info("serving %s on %s://%s:%d (max_model_len=%d)", args.served_model_name or args.model, scheme,
                 args.host, args.port, engine.config.max_model_len)
     # Our own log line per request replaces uvicorn's access log.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)

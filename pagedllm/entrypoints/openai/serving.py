@@ -16,15 +16,18 @@ from typing import AsyncIterator
 from jinja2 import TemplateError
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDead, EngineOverloaded
+from pagedllm.entrypoints.chat_utils import render_chat
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, TopLogprob, UsageInfo, random_id)
+    ChatMessage, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, TopLogprob, UsageInfo, ChatTemplateFields, random_id)
 from pagedllm.outputs import CompletionOutput, Logprob
 from pagedllm.sampling_params import SamplingParams
 
-logger = logging.getLogger("pagedllm.server")
+# One line per API call; `serve --disable-log-requests` quiets it.
+REQUEST_LOGGER = "pagedllm.server.requests"
+request_logger = logging.getLogger(REQUEST_LOGGER)
 
 
 class APIError(Exception):
@@ -152,7 +155,7 @@ class _Generation:
         finally:
             self.stream.abort()
             done = all(c.finished for c in self.choices)
-            logger.info("%s: %d prompt tokens, %d completion tokens, %.3f s%s", self.request_id,
+            request_logger.info("%s: %d prompt tokens, %d completion tokens, %.3f s%s", self.request_id,
                         self.usage().prompt_tokens, self.usage().completion_tokens,
                         time.perf_counter() - self.start, "" if done else ", aborted")
 
@@ -168,11 +171,13 @@ def sse(payload) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
+                 chat_template: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
+        self.chat_template = chat_template  # --chat-template: instead of the tokenizer's own
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -241,8 +246,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
         self.need_tokenizer("chat")
-        messages = [m.as_template_input() for m in req.messages]
-        prompt = await self.engine.call(self.chat_prompt, messages, True)
+        prompt = await self.chat_prompt(req.messages, req)
         gen = await self._start("chatcmpl", [prompt], req, req.max_new_tokens, req.num_logprobs)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
@@ -268,15 +272,16 @@ class OpenAIServing:
         return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=self.model_name,
                                       choices=choices, usage=gen.usage())
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """On the engine thread: the chat template's text and its token ids."""
+    async def chat_prompt(self, messages: list[ChatMessage], options: ChatTemplateFields) -> tuple[str, list[int]]:
+        """The chat template's text and token ids for a request's messages, rendered on the engine thread."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return await self.engine.call(lambda: render_chat(
+                self.tokenizer, [m.as_template_input() for m in messages],
+                **options.template_options(self.chat_template)))
         except TemplateError as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        # The template already holds any BOS token, so it is not added again.
-        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+        except ValueError as e:  # the template options, or a tokenizer without a template
+            raise APIError(400, str(e)) from e
 
     # ---- shared ------------------------------------------------------------------------------------------
     async def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], req,
