@@ -36,6 +36,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     # The most logprobs a request may ask for per token (vLLM's default: 20).
     max_logprobs: int = 20
+    # Where requests' sampling defaults come from, as vLLM's --generation-config: "auto" the model's
+    # generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "vllm"
+    # SamplingParams' own, or a folder holding a generation_config.json.
+    generation_config: str = "auto"
     attention_backend: str | None = None
     # No CUDA graphs at all (same as cudagraph_mode="none").
     enforce_eager: bool = False

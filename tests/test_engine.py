@@ -1,4 +1,6 @@
 """End-to-end engine behaviour on the real SmolLM2-135M-Instruct model (CPU, float32)."""
+import os
+
 import pytest
 import torch
 
@@ -388,6 +390,33 @@ def test_a_bad_prompt_queued_behind_a_failing_step_gets_its_own_error():
             await aengine.shutdown()
 
     asyncio.run(asyncio.wait_for(run(), timeout=60))
+
+
+def test_the_models_generation_config_sets_the_sampling_defaults(tmp_path):
+    """As vLLM's --generation-config: 'auto' takes the model's generation_config.json sampling keys (a request
+    without SamplingParams samples with them), 'vllm' SamplingParams' own, a folder that folder's; a bad value
+    fails at start naming the file."""
+    import json
+    from pagedllm.bench.shapes import model_dir_for
+    model = model_dir_for("tiny")
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump({"temperature": 0.0, "top_k": 7, "max_new_tokens": 5, "do_sample": True, "eos_token_id": 2}, f)
+    options = dict(load_format="dummy", device="cpu", max_model_len=64)
+    llm = LLM(model, **options)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 7, 5)
+    greedy = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    out = llm.generate([[1, 2, 3]], use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy[:len(out.token_ids)] and (out.finish_reason == "length") == (len(greedy) == 5)
+    assert LLM(model, generation_config="vllm", **options).get_default_sampling_params() == SamplingParams()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    assert LLM(model, generation_config=str(tmp_path), **options).get_default_sampling_params().top_p == 0.5
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json.*temperature"):
+        LLM(model, generation_config=str(tmp_path), **options)
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        LLM(model, generation_config=str(tmp_path / "missing"), **options)
 
 
 def test_chat_answers_sensibly(llm):

@@ -293,6 +293,13 @@ def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, clien
     assert status == 200 and out["usage"]["completion_tokens"] <= 2, out
 
 
+def test_unset_sampling_fields_take_the_models_defaults():
+    """As vLLM: a field the request leaves unset takes the model's generation config default, then SamplingParams'."""
+    defaults = {"temperature": 0.25, "top_k": 7, "max_tokens": 5}
+    params = CompletionRequest.model_validate({"prompt": "hi", "top_k": 3}).sampling_params(16, None, None, defaults)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.25, 3, 1.0, 16)
+
+
 def test_unknown_fields_are_named_in_one_warning(caplog):
     with caplog.at_level("WARNING", logger="pagedllm.server"):
         req = CompletionRequest.model_validate({"prompt": "hi", "suffix": "x", "frobnicate": {}, "n": None})

@@ -57,6 +57,7 @@ class LLMEngine:
         config.resolve_lengths(self.hf_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(config.tokenizer or self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.hf_config, self.tokenizer)
+        self.default_sampling = _default_sampling(config.generation_config, self.model_dir)
         self.eos_token_id = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self._token_texts: dict[int, str] = {}
         self.runner = ModelRunner(config, self.model, self.hf_config, self.dtype)
@@ -84,8 +85,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     prompt_text: str | None = None) -> None:
-        """prompt is text to tokenize or token ids; prompt_text is the text reported back for token ids."""
-        params = params or SamplingParams()
+        """prompt is text to tokenize or token ids; prompt_text is the text reported back for token ids. Without
+        params, the model's sampling defaults (get_default_sampling_params)."""
+        params = params or self.get_default_sampling_params()
         # A request's samples are named request_id-i (n > 1): neither may be an id a request or a sample holds.
         ids = [request_id] if params.n == 1 else [request_id, *(f"{request_id}-{i}" for i in range(params.n))]
         in_use = [i for i in ids if i in self.parents or i in self.child_to_parent]
@@ -136,6 +138,11 @@ class LLMEngine:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults EngineConfig.generation_config sets (vLLM's, from the model's
+        generation_config.json by default)."""
+        return SamplingParams(**self.default_sampling)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         """Raises ValueError naming what is wrong with a prompt's token ids."""
@@ -320,6 +327,35 @@ def _load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def _generation_config(folder: str) -> dict:
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+# generation_config.json's keys that set requests' sampling defaults (vLLM reads the same), as SamplingParams names them
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def _default_sampling(source: str, model_dir: str) -> dict:
+    """SamplingParams' keyword arguments that EngineConfig.generation_config sets, checked once here."""
+    if source == "vllm":
+        return {}
+    folder = model_dir if source == "auto" else source
+    if source != "auto" and not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        raise ValueError(f"generation_config={source!r}: no generation_config.json there (or 'auto', 'vllm')")
+    config = _generation_config(folder)
+    defaults = {name: config[key] for key, name in _SAMPLING_KEYS.items() if config.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"the sampling defaults of {folder}/generation_config.json: {e}") from None
+    return defaults
+
+
 def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
 
@@ -329,10 +365,7 @@ def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
 
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            add(json.load(f).get("eos_token_id"))
+    add(_generation_config(model_dir).get("eos_token_id"))
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)

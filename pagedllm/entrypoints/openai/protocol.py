@@ -55,13 +55,18 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+# The request fields a model's generation config may give defaults for (as vLLM reads it)
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class _SamplingRequest(Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
     n: Int = Field(1, ge=1, le=128)
     best_of: Int | None = None
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # unset: the model's default (LLMEngine.default_sampling), else SamplingParams'
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     # SamplingParams checks the range.
     seed: Int | None = None
@@ -71,9 +76,9 @@ class _SamplingRequest(Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM's extras (top_k 0 or -1: disabled).
-    top_k: Int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     min_tokens: Int = Field(0, ge=0)
     stop_token_ids: list[Int] | None = None
@@ -123,17 +128,20 @@ class _SamplingRequest(Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError naming the field for combinations that single-field checks cannot catch."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """defaults: the model's sampling defaults (LLMEngine.default_sampling), for the fields of
+        _MODEL_DEFAULTS the request leaves unset. Raises ValueError naming the field for combinations that
+        single-field checks cannot catch."""
+        chosen = {**{k: v for k, v in (defaults or {}).items() if k in _MODEL_DEFAULTS},
+                  **{k: getattr(self, k) for k in _MODEL_DEFAULTS if getattr(self, k) is not None}}
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias())
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(), **chosen)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:

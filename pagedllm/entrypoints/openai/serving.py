@@ -178,6 +178,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.chat_template = chat_template  # --chat-template: instead of the tokenizer's own
+        # for the sampling fields a request leaves unset (--generation-config)
+        self.default_sampling = engine.engine.default_sampling
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -247,7 +249,8 @@ class OpenAIServing:
         self.check_model(req.model)
         self.need_tokenizer("chat")
         prompt = await self.chat_prompt(req.messages, req)
-        gen = await self._start("chatcmpl", [prompt], req, req.max_new_tokens, req.num_logprobs)
+        max_tokens = req.max_new_tokens if req.max_new_tokens is not None else self.default_sampling.get("max_tokens")
+        gen = await self._start("chatcmpl", [prompt], req, max_tokens, req.num_logprobs)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=gen.request_id, created=gen.created, model=self.model_name,
@@ -287,7 +290,7 @@ class OpenAIServing:
     async def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], req,
                      max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> _Generation:
         try:
-            params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params = req.sampling_params(max_tokens, logprobs, prompt_logprobs, self.default_sampling)
         except ValueError as e:
             # SamplingParams names its field first, and the request fields it checks carry the same names
             named = re.match(r"SamplingParams\.(\w+)", str(e))
