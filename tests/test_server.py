@@ -362,6 +362,24 @@ def test_stream_chunks_share_one_created_time(tiny_server):
     assert int(before) <= out.created <= time.time()
 
 
+def test_stream_chunks_as_vllm_writes_them(tiny_server):
+    """The role only in the first chat delta (absent after it, not null), and with continuous_usage_stats every
+    chunk carrying the usage so far."""
+    body = {"messages": CHAT, "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    request = urllib.request.Request(tiny_server + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts[0] == 0 and counts[-2:] == [4, 4] and counts == sorted(counts) and len(set(counts)) > 2
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] > 0 for c in chunks)
+
+
 # ---- the other endpoints ----------------------------------------------------------------------------------
 def test_models_health_tokenize_detokenize(server, client, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -565,7 +583,7 @@ def test_load_with_disconnecting_clients_frees_everything(server):
     after = wait_for_metrics(server, lambda m: m["pagedllm:num_requests_running"] == 0
                              and m["pagedllm:num_requests_waiting"] == 0)
     assert after["pagedllm:kv_cache_usage_perc"] == 0.0
-    generated = after["pagedllm:generation_tokens"] - before["pagedllm:generation_tokens"]
+    generated = after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"]
     assert generated < 48 * 6 + 16 * 40, "disconnected clients' requests kept generating"
     assert after["pagedllm:time_to_first_token_seconds_count"] >= before[
         "pagedllm:time_to_first_token_seconds_count"] + 64
@@ -586,7 +604,7 @@ def test_non_streaming_client_disconnect_aborts(tiny_server):
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         wait_for_metrics(tiny_server, lambda m: m["pagedllm:num_requests_running"] == 1)
     m = wait_for_metrics(tiny_server, lambda m: m["pagedllm:num_requests_running"] == 0, timeout=5)
-    assert m["pagedllm:kv_cache_usage_perc"] == 0.0 and m["pagedllm:generation_tokens"] < 3000
+    assert m["pagedllm:kv_cache_usage_perc"] == 0.0 and m["pagedllm:generation_tokens_total"] < 3000
 
 
 def test_full_waiting_queue_gets_503_then_recovers(tiny_server):

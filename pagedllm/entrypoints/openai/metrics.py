@@ -5,7 +5,8 @@ import bisect
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# (stats key, type, help). Counters keep their engine names (vLLM's style) rather than a _total suffix.
+# (stats key, type, help). Counters are exposed as key_total, the Prometheus convention vLLM's counters follow
+# (vllm:prompt_tokens_total, ...).
 _ENGINE_METRICS = [
     ("num_requests_running", "gauge", "Requests currently scheduled (prefill or decode)."),
     ("num_requests_waiting", "gauge", "Requests waiting to be scheduled, preempted ones included."),
@@ -58,8 +59,9 @@ class ServerMetrics:
         lines = []
         for key, kind, help in _ENGINE_METRICS:
             name = f"pagedllm:{key}"
+            sample = f"{name}_total" if kind == "counter" else name
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}",
-                      f"{name}{{{self.labels}}} {float(stats[key])!r}"]
+                      f"{sample}{{{self.labels}}} {float(stats[key])!r}"]
         lines += self.time_to_first_token.render(self.labels)
         lines += self.inter_token_latency.render(self.labels)
         return "\n".join(lines) + "\n"

@@ -13,7 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 # The request fields a model's generation config may give defaults for (as vLLM reads it)
@@ -127,6 +130,10 @@ class _SamplingRequest(Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -330,6 +337,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _role_only_when_set(self, handler) -> dict[str, Any]:
+        # As OpenAI's and vLLM's chunks: the role comes in the first delta, and is absent (not null) after it.
+        data = handler(self)
+        if data.get("role") is None:
+            data.pop("role", None)
+        return data
 
 
 class ChatStreamChoice(BaseModel):

@@ -219,7 +219,7 @@ class OpenAIServing:
 
         if req.stream:
             return self._sse(gen, [], lambda d: response([choice(d)]),
-                             lambda: response([], gen.usage()) if req.include_usage else None)
+                             lambda: response([], gen.usage()) if req.include_usage else None, req.continuous_usage)
         choices = [CompletionChoice(index=i, text="") for i in range(len(gen.choices))]
         async for d in gen.deltas():
             part, total = choice(d), choices[d.index]
@@ -262,7 +262,7 @@ class OpenAIServing:
             return self._sse(gen, [head], lambda d: chunk([ChatStreamChoice(
                 index=d.index, delta=ChatDelta(content=d.text), logprobs=self._chat_logprobs(d, gen),
                 finish_reason=d.finish_reason, stop_reason=d.stop_reason)]),
-                lambda: chunk([], gen.usage()) if req.include_usage else None)
+                lambda: chunk([], gen.usage()) if req.include_usage else None, req.continuous_usage)
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content="")) for i in range(req.n)]
         async for d in gen.deltas():
             total = choices[d.index]
@@ -313,14 +313,20 @@ class OpenAIServing:
         return gen
 
     @staticmethod
-    async def _sse(gen: _Generation, head: list, chunk_of, usage_chunk) -> AsyncIterator[str]:
-        """Server-sent events: head chunks, one chunk per delta, the usage chunk if asked for, [DONE].
-        The response is already 200 when generation fails, so a failure becomes an error event."""
+    async def _sse(gen: _Generation, head: list, chunk_of, usage_chunk, continuous_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: head chunks, one chunk per delta (each with the usage so far if continuous_usage),
+        the usage chunk if asked for, [DONE]. The response is already 200 when generation fails, so a failure
+        becomes an error event."""
+        def event(chunk) -> str:
+            if continuous_usage:
+                chunk.usage = gen.usage()
+            return sse(chunk)
+
         try:
             for h in head:
-                yield sse(h)
+                yield event(h)
             async for d in gen.deltas():
-                yield sse(chunk_of(d))
+                yield event(chunk_of(d))
             usage = usage_chunk()
             if usage is not None:
                 yield sse(usage)
