@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_gguf_weights_match_transformers(gguf_cache, hf_smollm2):
     assert config["rope_parameters"]["rope_theta"] == hf_config["rope_theta"]
 
 
-def test_gguf_tokenizer_and_generation_config(gguf_cache, hf_smollm2):
+def test_gguf_tokenizer_and_generation_config(gguf_cache, hf_smollm2, tmp_path):
     base, model_dir = gguf_cache
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert tokenizer.chat_template == hf_smollm2[1]["tokenizer_config"]["chat_template"]
@@ -111,11 +112,15 @@ def test_gguf_tokenizer_and_generation_config(gguf_cache, hf_smollm2):
                                            add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert GenerationConfig.from_pretrained(model_dir).eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    # Converted once: a second resolve reuses the directory and no temporary directory is left behind.
+    # Converted once: a second resolve reuses the directory, and so does a copy of the file elsewhere (a reinstall:
+    # new path, new mtime); no temporary directory is left behind.
+    copy = tmp_path / ALIASES[ALIAS]().name
+    shutil.copyfile(ALIASES[ALIAS](), copy)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", str(base))
         assert resolve_model(ALIAS) == model_dir
-    assert os.listdir(base) == [model_dir.name]
+        assert resolve_model(str(copy)) == model_dir
+    assert sorted(os.listdir(base)) == [".seen", model_dir.name] and len(os.listdir(base / ".seen")) == 2
 
 
 def test_smollm2_logits_match_transformers(gguf_cache, hf_smollm2):

@@ -111,30 +111,41 @@ def _locate(model: str) -> Path:
 
 
 def _gguf_cache_dir(gguf_path: Path) -> Path:
-    """Convert `gguf_path` once into $PAGEDLLM_CACHE_DIR (default ~/.cache/pagedllm)/<name>-<hash>.
+    """Convert `gguf_path` once into $PAGEDLLM_CACHE_DIR (default ~/.cache/pagedllm)/<name>-<hash of its bytes>.
+    Named by content, so a reinstalled file or a copy of the same name (new path, new mtime) finds the conversion
+    of the same bytes instead of adding another; a file seen before at the same path, size and mtime is not hashed
+    again (.seen).
     The conversion is written to a temporary directory and renamed into place, so a crash never leaves a
     half-written cache and concurrent converters do not see each other's partial output."""
     from pagedllm.models.gguf import CONVERTER_VERSION, convert_gguf
 
     stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
     base = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
-    target = base / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if target.is_dir():
-        return target
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base))
-    try:
-        convert_gguf(gguf_path, tmp)
+    where = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
+    seen = base / ".seen" / hashlib.sha256(where.encode()).hexdigest()[:16]
+    if seen.is_file() and (base / seen.read_text()).is_dir():
+        return base / seen.read_text()
+    with open(gguf_path, "rb") as f:
+        content = hashlib.file_digest(f, "sha256").hexdigest()
+    target = base / f"{gguf_path.stem}-{hashlib.sha256(f'{content}:{CONVERTER_VERSION}'.encode()).hexdigest()[:12]}"
+    if not target.is_dir():
+        base.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base))
         try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-            shutil.rmtree(tmp)  # another process finished the same conversion first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            convert_gguf(gguf_path, tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not target.is_dir():
+                    raise
+                shutil.rmtree(tmp)  # another process finished the same conversion first
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    seen.parent.mkdir(parents=True, exist_ok=True)
+    note = seen.with_name(f"{seen.name}.{os.getpid()}")
+    note.write_text(target.name)
+    os.replace(note, seen)  # whole or absent, for a concurrent reader
     return target
 
 
