@@ -509,6 +509,8 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}, "messages"),
     # ids the tokenizer cannot even decode for the echo
     ("/v1/completions", {"prompt": [-1], "echo": True}, "prompt"),
     ("/v1/completions", {"prompt": [[5, 2**40]], "echo": True}, "prompt"),

@@ -239,6 +239,16 @@ class ChatMessage(Strict):
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Before the union's own checks, whose error for an image part names neither the part nor the reason.
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
+        return content
+
     def as_template_input(self) -> dict[str, Any]:
         # Text parts are joined with newlines, as vLLM joins them.
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
