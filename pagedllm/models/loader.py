@@ -123,8 +123,8 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
     base = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
     where = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
     seen = base / ".seen" / hashlib.sha256(where.encode()).hexdigest()[:16]
-    if seen.is_file() and (base / seen.read_text()).is_dir():
-        return base / seen.read_text()
+    if seen.is_file() and (known := base / seen.read_text()).is_dir():
+        return known
     with open(gguf_path, "rb") as f:
         content = hashlib.file_digest(f, "sha256").hexdigest()
     target = base / f"{gguf_path.stem}-{hashlib.sha256(f'{content}:{CONVERTER_VERSION}'.encode()).hexdigest()[:12]}"

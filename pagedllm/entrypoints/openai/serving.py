@@ -20,8 +20,8 @@ from pagedllm.entrypoints.chat_utils import render_chat
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-    ChatMessage, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, TopLogprob, UsageInfo, ChatTemplateFields, random_id)
+    ChatMessage, ChatResponseMessage, ChatStreamChoice, ChatTemplateFields, ChatTokenLogprob, CompletionChoice,
+    CompletionLogprobs, CompletionRequest, CompletionResponse, TopLogprob, UsageInfo, random_id)
 from pagedllm.outputs import CompletionOutput, Logprob
 from pagedllm.sampling_params import SamplingParams
 
@@ -156,8 +156,8 @@ class _Generation:
             self.stream.abort()
             done = all(c.finished for c in self.choices)
             request_logger.info("%s: %d prompt tokens, %d completion tokens, %.3f s%s", self.request_id,
-                        self.usage().prompt_tokens, self.usage().completion_tokens,
-                        time.perf_counter() - self.start, "" if done else ", aborted")
+                                self.usage().prompt_tokens, self.usage().completion_tokens,
+                                time.perf_counter() - self.start, "" if done else ", aborted")
 
     def usage(self) -> UsageInfo:
         prompt = sum(len(ids) for _, ids in self.prompts)
