@@ -31,6 +31,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # {token id: value added to its logit before sampling} (OpenAI's and vLLM's logit_bias, values in [-100, 100])
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (the others' logits are -inf after the logprobs are taken)
+    allowed_token_ids: list[int] | None = None
     # Filled by the engine from the model's generation config; not a user knob.
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
@@ -89,6 +91,9 @@ class SamplingParams:
                 not isinstance(t, int) or t < 0 or not isinstance(b, (int, float)) or not -100 <= b <= 100
                 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", "must map non-negative token ids to values in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
 
     @property
     def greedy(self) -> bool:

@@ -419,6 +419,16 @@ def test_the_models_generation_config_sets_the_sampling_defaults(tmp_path):
         LLM(model, generation_config=str(tmp_path / "missing"), **options)
 
 
+def test_allowed_token_ids_bound_every_sampled_token():
+    """End to end, greedy (which otherwise takes the plain argmax path) and random: only the allowed ids come out."""
+    from pagedllm.bench.shapes import model_dir_for
+    llm = LLM(model_dir_for("tiny"), load_format="dummy", device="cpu", max_model_len=64)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, allowed_token_ids=[7, 9, 11])
+        tokens = llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)
+        assert all(set(o.outputs[0].token_ids) <= {7, 9, 11} and len(o.outputs[0].token_ids) == 6 for o in tokens)
+
+
 def test_chat_answers_sensibly(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)

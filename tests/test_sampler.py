@@ -27,7 +27,8 @@ def sample(requests, logits, seed=0):
     ("top_p", float("nan")), ("min_p", float("nan")), ("repetition_penalty", float("inf")),
     ("presence_penalty", float("nan")), ("frequency_penalty", float("nan")), ("logprobs", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("min_tokens", -1), ("seed", -2**63 - 1), ("seed", 2**63), ("stop", [""]),
-    ("stop_token_ids", [-1]), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 150.0}), ("temperature", 1e39),
+    ("stop_token_ids", [-1]), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 150.0}), ("temperature", 1e39), ("allowed_token_ids", []),
+    ("allowed_token_ids", [-1]),
     ("repetition_penalty", 1e39),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
@@ -132,6 +133,24 @@ def test_logit_bias_is_added_before_sampling_not_to_logprobs():
     assert out.token_ids[1] != int(logits[1].argmax())
     # logprobs are the model's own, as vLLM returns them by default
     assert out.logprobs[0][target].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[target]), abs=1e-5)
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled():
+    """Greedy and random rows with allowed_token_ids pick among them only; the others and the logprobs (the
+    model's own) are untouched."""
+    torch.manual_seed(6)
+    logits = torch.randn(4, VOCAB)
+    allowed = [3, 17, 41]
+    reqs = [make_request("a", temperature=0.0, logprobs=1, allowed_token_ids=allowed),
+            *(make_request(f"r{i}", temperature=5.0, seed=i, allowed_token_ids=allowed) for i in range(2)),
+            make_request("c", temperature=0.0)]
+    out = sample(reqs, logits.clone())
+    assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+    assert set(out.token_ids[1:3]) <= set(allowed) and out.token_ids[3] == int(logits[3].argmax())
+    token = out.token_ids[0]
+    assert out.logprobs[0][token].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[token]), abs=1e-5)
+    hot = [make_request(f"h{i}", temperature=50.0, seed=i, allowed_token_ids=[5, 6]) for i in range(32)]
+    assert set(sample(hot, torch.randn(32, VOCAB)).token_ids) == {5, 6}
 
 
 def test_repetition_penalty_discourages_seen_tokens():

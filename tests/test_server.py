@@ -500,6 +500,8 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, "messages"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(10**9): 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(10**9): 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     # what SamplingParams checks, named as it names them

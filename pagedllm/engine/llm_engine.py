@@ -99,8 +99,10 @@ class LLMEngine:
             if n is not None and n > min(self.config.max_logprobs, vocab):
                 raise ValueError(f"requested {n} {name.replace('_', ' ')} per token, more than max_logprobs="
                                  f"{self.config.max_logprobs} or the vocabulary ({vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            tokens = getattr(params, name)
+            if tokens and max(tokens) >= vocab:
+                raise ValueError(f"{name} token id {max(tokens)} is outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings are matched in the text, and this model has no tokenizer to produce it: "
                              "use stop_token_ids")

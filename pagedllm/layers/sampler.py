@@ -218,7 +218,7 @@ class Sampler:
         # The token sampled now is output number num_output_tokens + num_placeholders (counting from 1): the
         # placeholders include it and any earlier token still on its way.
         return all(p.greedy and not p.has_penalties and p.logprobs is None and not p.logit_bias
-                   and r.num_output_tokens + r.num_placeholders > p.min_tokens
+                   and p.allowed_token_ids is None and r.num_output_tokens + r.num_placeholders > p.min_tokens
                    for r in requests for p in (r.sampling_params,))
 
     @torch.inference_mode()
@@ -238,6 +238,7 @@ class Sampler:
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         biased = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+        allowed = [(i, t) for i, p in enumerate(params) if p.allowed_token_ids for t in p.allowed_token_ids]
         min_tokens_rows = [i for i, r in enumerate(requests)
                            if r.num_output_tokens + r.num_placeholders <= r.sampling_params.min_tokens]
 
@@ -252,10 +253,11 @@ class Sampler:
         banned = [(i, t) for i in min_tokens_rows
                   for t in (*requests[i].eos_token_ids, *params[i].stop_token_ids) if t < vocab]
         (random_idx, filtered_idx, penalty_idx, logprob_idx, ban_rows, ban_tokens, bias_rows, bias_tokens,
-         penalty_tokens, penalty_num_tokens, penalty_num_prompt) = self.upload_ints(
+         allowed_rows, allowed_tokens, penalty_tokens, penalty_num_tokens, penalty_num_prompt) = self.upload_ints(
             random_rows, filtered_rows, penalty_rows, logprob_rows, [i for i, _ in banned], [t for _, t in banned],
-            [i for i, _, _ in biased], [t for _, t, _ in biased], np.concatenate(penalised_tokens) if penalised else [],
-            [r.num_tokens for r in penalised], [r.num_prompt_tokens for r in penalised])
+            [i for i, _, _ in biased], [t for _, t, _ in biased], [i for i, _ in allowed], [t for _, t in allowed],
+            np.concatenate(penalised_tokens) if penalised else [], [r.num_tokens for r in penalised],
+            [r.num_prompt_tokens for r in penalised])
 
         raw_logprobs = torch.log_softmax(logits[logprob_idx], dim=-1) if logprob_rows else None
         if biased:
@@ -263,6 +265,12 @@ class Sampler:
             # logit-bias processor runs (it matters for the multiplicative repetition penalty).
             biases = self._to_device(torch.tensor([b for _, _, b in biased], dtype=torch.float32))
             logits.index_put_((bias_rows, bias_tokens), biases, accumulate=True)
+        if allowed:
+            # Every other token of those rows out, as vLLM's allowed-token-ids processor does (before penalties).
+            keep = torch.zeros_like(logits, dtype=torch.bool).index_put_((allowed_rows, allowed_tokens),
+                                                                          torch.tensor(True, device=logits.device))
+            masked = keep.any(dim=1, keepdim=True) & ~keep
+            logits = logits.masked_fill(masked, float("-inf"))
         if penalty_rows:
             rows = _Rows(penalty_idx, len(penalty_rows) == batch)
             logits = rows.put(logits, _apply_penalties(rows.take(logits), rows.take(table), penalty_tokens,

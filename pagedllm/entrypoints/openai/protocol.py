@@ -89,6 +89,7 @@ class _SamplingRequest(Strict):
     include_stop_str_in_output: bool = False
     # OpenAI's: token ids as JSON object keys (strings)
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int] | None = None
     # Structured output (OpenAI's response_format, vLLM's guided decoding) is not implemented: a request for it is
     # refused rather than answered with unconstrained text.
     response_format: dict[str, Any] | None = None
@@ -148,7 +149,7 @@ class _SamplingRequest(Strict):
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self._logit_bias(), **chosen)
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids, **chosen)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:

@@ -304,9 +304,11 @@ class OpenAIServing:
             raise APIError(400, f"{logprobs} logprobs requested, more than max_logprobs={limit}",
                            param="top_logprobs" if chat else "logprobs")
         vocab = self.engine.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise APIError(400, f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})",
-                           param="logit_bias")
+        for name in ("logit_bias", "allowed_token_ids"):
+            tokens = getattr(params, name)
+            if tokens and max(tokens) >= vocab:
+                raise APIError(400, f"{name} token id {max(tokens)} is outside the vocabulary [0, {vocab})",
+                               param=name)
         gen = _Generation(self.engine, self.metrics, random_id(prefix), prompts, params,
                           "messages" if chat else "prompt")
         await gen.add_requests()
