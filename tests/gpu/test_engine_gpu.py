@@ -161,6 +161,20 @@ def test_screened_lm_head_gives_the_whole_heads_tokens(hf_model_dir, monkeypatch
     assert replays.count(True) >= len(PROMPT_LENS) * (MAX_TOKENS - 2)
 
 
+def test_allowed_token_ids_leave_the_graphs_argmax_paths(hf_model_dir):
+    """Greedy decode steps with allowed_token_ids take the sampler, not the graph's argmax or the screened head:
+    at batch 1 (the screened head's size) and batch 5, in bf16 graphs, only the allowed ids come out."""
+    from pagedllm import LLM, SamplingParams
+    path, model = hf_model_dir
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=2048, max_model_len=4096, max_num_seqs=8)
+    allowed = [11, 222, 3333]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=allowed)
+    batch = prompts(model.config.vocab_size)
+    outs = [*llm.generate(batch[:1], params, use_tqdm=False), *llm.generate(batch, params, use_tqdm=False)]
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) and len(o.outputs[0].token_ids) == MAX_TOKENS
+               for o in outs)
+
+
 @torch.inference_mode()
 def test_cuda_backend_greedy_equals_triton(hf_model_dir):
     """Same decode math in another kernel; in bf16 only the summation order differs, so the two runs agree
