@@ -479,6 +479,17 @@ def test_every_engine_option_is_a_flag_of_its_type():
         assert engine_kwargs(args)[f.name] == {"str": str, "int": int, "float": float}[kind](values[kind]), f.name
 
 
+def test_integer_flags_take_vllms_suffixes(capsys):
+    """--max-model-len 32k / 4K as vLLM's launch lines write them: lower case decimal, upper case binary."""
+    from pagedllm.entrypoints.cli import build_parser
+    for text, value in (("4096", 4096), ("32k", 32000), ("25.6k", 25600), ("4K", 4096), ("1M", 2**20)):
+        assert build_parser().parse_args(["serve", "--max-model-len", text]).max_model_len == value, text
+    for text in ("4.5K", "4kb", "four"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-num-batched-tokens", text])
+        assert f"--max-num-batched-tokens: not an integer: '{text}'" in capsys.readouterr().err
+
+
 def test_xattention_prefill_at_threshold_one_equals_dense(llm, prompts, monkeypatch):
     from pagedllm.ops import xattention
     calls = []

@@ -5,11 +5,30 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 from pagedllm.config import EngineConfig
 
-_FLAG_TYPES = {"int": int, "float": float, "str": str}
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """An integer flag as vLLM's launch lines write them: 4096, 25.6k (decimal suffixes k m g t), 4K (binary
+    suffixes K M G T, whole numbers only)."""
+    match = re.fullmatch(r"(-?\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 4096, 32k, 25.6k, 4K)")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (a fraction takes a decimal suffix k m g t)")
+    return int(number) * _BINARY.get(suffix, 1)
+
+
+_FLAG_TYPES = {"int": human_readable_int, "float": float, "str": str}
 
 
 def _flag_type(field: dataclasses.Field) -> type:
