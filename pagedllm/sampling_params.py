@@ -33,6 +33,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids may be sampled (the others' logits are -inf after the logprobs are taken)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: only the prompt's last k tokens are kept (-1: max_model_len), before the engine checks or caches it
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine from the model's generation config; not a user knob.
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
@@ -94,6 +96,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k == 0 or k < -1):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for max_model_len")
 
     @property
     def greedy(self) -> bool:

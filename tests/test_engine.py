@@ -429,6 +429,53 @@ def test_allowed_token_ids_bound_every_sampled_token():
         assert all(set(o.outputs[0].token_ids) <= {7, 9, 11} and len(o.outputs[0].token_ids) == 6 for o in tokens)
 
 
+def test_truncate_prompt_tokens_runs_and_reports_the_prompts_last_tokens(llm):
+    """As vLLM's truncate_prompt_tokens: a text, token-id or chat prompt runs as its last k tokens, and is reported
+    as them (prompt_token_ids, prompt text, prompt logprobs), just as a request for those tokens alone."""
+    tok = llm.get_tokenizer()
+    text = long_text(600)
+    ids = tok(text).input_ids
+    assert len(ids) > 100
+    plain = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1)
+    cut = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1, truncate_prompt_tokens=40)
+    by_text, by_ids, manual = llm.generate([text, ids, ids[-40:]], [cut, cut, plain], use_tqdm=False)
+    assert by_text.prompt_token_ids == by_ids.prompt_token_ids == manual.prompt_token_ids == ids[-40:]
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == manual.outputs[0].token_ids
+    assert by_text.prompt == tok.decode(ids[-40:]) and by_ids.prompt is None
+
+    def scores(out):
+        return [entry[t].logprob for t, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+    assert len(by_text.prompt_logprobs) == 40 and scores(by_text) == pytest.approx(scores(manual), abs=1e-5)
+
+    whole = llm.generate([text], SamplingParams(max_tokens=1, truncate_prompt_tokens=len(ids)), use_tqdm=False)[0]
+    assert whole.prompt == text and whole.prompt_token_ids == ids
+    chat = llm.chat([{"role": "user", "content": "Name three colors."}],
+                    SamplingParams(max_tokens=1, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert chat.prompt_token_ids == chat_ids(tok, "Name three colors.")[-5:]
+    assert chat.prompt == tok.decode(chat.prompt_token_ids)
+
+
+def test_truncate_prompt_tokens_comes_before_the_max_model_len_check():
+    """A prompt past max_model_len that truncation makes fit is served; -1 keeps max_model_len tokens, as in vLLM
+    (which then leave no room to generate); a size past max_model_len is vLLM's error, and the engine keeps serving."""
+    from pagedllm.bench.shapes import model_dir_for
+    tiny = LLM(model_dir_for("tiny"), load_format="dummy", device="cpu", max_model_len=64)
+    prompt = list(range(1, 101))
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cut, manual = tiny.generate([prompt, prompt[-32:]], [SamplingParams(**greedy, truncate_prompt_tokens=32),
+                                                         SamplingParams(**greedy)], use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-32:] and len(cut.outputs[0].token_ids) == 4
+    assert cut.outputs[0].token_ids == manual.outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt has 64 tokens"):
+        tiny.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=-1), use_tqdm=False)
+    short = tiny.generate([prompt[:10]], SamplingParams(**greedy, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert short.prompt_token_ids == prompt[:10] and len(short.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens value \(65\) is greater than max_model_len "
+                                         r"\(64\)\. Please, select a smaller truncation size\.$"):
+        tiny.generate([prompt[:10]], SamplingParams(truncate_prompt_tokens=65), use_tqdm=False)
+    assert not tiny.engine.has_unfinished_requests() and tiny.engine.kv_cache_manager.usage == 0.0
+
+
 def test_chat_answers_sensibly(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)

@@ -30,10 +30,17 @@ def sample(requests, logits, seed=0):
     ("stop_token_ids", [-1]), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 150.0}), ("temperature", 1e39), ("allowed_token_ids", []),
     ("allowed_token_ids", [-1]),
     ("repetition_penalty", 1e39),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", True),
+    ("truncate_prompt_tokens", 2.0), ("truncate_prompt_tokens", "8"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_truncate_prompt_tokens_takes_a_size_or_minus_one_as_in_vllm():
+    assert [SamplingParams(truncate_prompt_tokens=k).truncate_prompt_tokens for k in (None, 1, 4096, -1)] == \
+        [None, 1, 4096, -1]
 
 
 def test_top_k_zero_means_every_token_as_in_vllm():

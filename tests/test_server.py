@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from conftest import MODEL
+from conftest import MODEL, long_text
 from pagedllm import SamplingParams, __version__
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 
@@ -267,7 +267,7 @@ def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, clien
     nulls = dict.fromkeys(["n", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
                            "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
                            "ignore_eos", "min_tokens", "stop_token_ids", "best_of", "skip_special_tokens",
-                           "include_stop_str_in_output"])
+                           "include_stop_str_in_output", "truncate_prompt_tokens"])
     unknown = {"suffix": None, "response_format": {"type": "text"}, "frobnicate": 1}
     status, out = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3.0, "temperature": 2.5,
                                                    "ignore_eos": True, "best_of": 1, "seed": -1, **unknown})
@@ -291,6 +291,42 @@ def test_vllm_request_fields_unknown_fields_and_nulls_are_accepted(server, clien
         "messages": history, **nulls, "max_tokens": 2, "max_completion_tokens": None, "logprobs": None,
         "top_logprobs": None, "tools": [], "parallel_tool_calls": False, "store": False})
     assert status == 200 and out["usage"]["completion_tokens"] <= 2, out
+
+
+def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(server, client, llm):
+    """vLLM's truncate_prompt_tokens: a prompt past max_model_len (a 400 without it) runs as its last k tokens, cut
+    before the context-length check; usage counts them and echo returns them, and the answer is LLM's for them."""
+    tok = llm.get_tokenizer()
+    text = long_text(3000)
+    ids = tok(text).input_ids
+    assert len(ids) > MAX_MODEL_LEN
+    kept = ids[-20:]
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([kept], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].text
+    for prompt in (text, ids):
+        out = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=0, temperature=0,
+                                        max_tokens=4, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 20})
+        choice = out.choices[0]
+        assert out.usage.prompt_tokens == 20 and choice.text == tok.decode(kept) + expected
+        lp = choice.logprobs  # the prompt's logprobs are the kept tokens', the first without one
+        assert lp.tokens[:20] == [tok.decode([t]) for t in kept] and len(lp.tokens) == 24
+        assert lp.token_logprobs[0] is None and None not in lp.token_logprobs[1:]
+    status, error = post(server, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": 200, "max_tokens": 100})
+    assert status == 400 and error["error"]["param"] == "max_tokens", error
+    assert "(200 in the prompt" in error["error"]["message"], error
+
+    messages = [{"role": "user", "content": text}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4,
+                                            extra_body={"truncate_prompt_tokens": 30})
+    offline = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=30),
+                       use_tqdm=False)[0]
+    assert answer.usage.prompt_tokens == 30 and answer.choices[0].message.content == offline.outputs[0].text
+
+    for bad in (0, -2, True, "8", 2.5, MAX_MODEL_LEN + 1):
+        for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+            status, error = post(server, path, {**body, "truncate_prompt_tokens": bad})
+            assert status == 400 and error["error"]["param"] == "truncate_prompt_tokens", (bad, error)
+            assert "truncate_prompt_tokens" in error["error"]["message"], (bad, error)
 
 
 def test_unset_sampling_fields_take_the_models_defaults():

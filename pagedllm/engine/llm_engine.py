@@ -106,9 +106,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings are matched in the text, and this model has no tokenizer to produce it: "
                              "use stop_token_ids")
-        text = prompt if isinstance(prompt, str) else prompt_text
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(token_ids)
+        text, token_ids = self.process_prompt(prompt, prompt_text, params.truncate_prompt_tokens)
         max_tokens = self.config.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -131,6 +129,34 @@ class LLMEngine:
         self.parents[request_id] = parent
         for child in children:
             self.child_to_parent[child.request_id] = parent
+
+    def process_prompt(self, prompt: str | list[int], prompt_text: str | None = None,
+                       truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """A prompt as the engine runs and reports it: (its text or None, its token ids). Text is tokenized; with
+        truncate_prompt_tokens only the last tokens are kept (truncation_size), and the text is theirs. Raises
+        ValueError naming what is wrong with it."""
+        text = prompt if isinstance(prompt, str) else prompt_text
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        keep = self.truncation_size(truncate_prompt_tokens)
+        truncated = keep is not None and len(token_ids) > keep
+        if truncated:
+            token_ids = token_ids[-keep:]
+        self.validate_prompt(token_ids)  # before decoding: the tokenizer fails on some bad ids (past 2^32)
+        if truncated and text is not None:
+            text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)
+        return text, token_ids
+
+    def truncation_size(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens SamplingParams.truncate_prompt_tokens keeps (-1: max_model_len, as in
+        vLLM), or None for all of them. Raises ValueError (vLLM's) where it is more than max_model_len."""
+        if truncate_prompt_tokens is None:
+            return None
+        max_len = self.config.max_model_len
+        keep = max_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep > max_len:
+            raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_len}). "
+                             "Please, select a smaller truncation size.")
+        return keep
 
     def token_text(self, token_id: int) -> str | None:
         """One token's text on its own (a logprob entry's decoded_token), or None without a tokenizer."""

@@ -90,6 +90,8 @@ class _SamplingRequest(Strict):
     # OpenAI's: token ids as JSON object keys (strings)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Int] | None = None
+    # only the prompt's last k tokens (-1: max_model_len); SamplingParams refuses 0
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1)
     # Structured output (OpenAI's response_format, vLLM's guided decoding) is not implemented: a request for it is
     # refused rather than answered with unconstrained text.
     response_format: dict[str, Any] | None = None
@@ -149,7 +151,8 @@ class _SamplingRequest(Strict):
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids, **chosen)
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, **chosen)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:

@@ -108,7 +108,7 @@ class _Generation:
 
     async def add_requests(self) -> None:
         max_len = self.engine.config.max_model_len
-        for _, ids in self.prompts:  # (a prompt that alone fills the context is the engine's error about it)
+        for _, ids in self.prompts:  # (a prompt that alone fills the context was refused by process_prompt)
             if self.params.max_tokens is not None and len(ids) < max_len < len(ids) + self.params.max_tokens:
                 raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you "
                                     f"requested {len(ids) + self.params.max_tokens} tokens ({len(ids)} in the "
@@ -195,20 +195,20 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.echo or any(isinstance(p, str) for p in req.prompts):
             self.need_tokenizer("echo or a text prompt")
-        prompts = await self.engine.call(self._prepare_prompts, req.prompts, req.echo)
         echo_logprobs = req.echo and req.logprobs is not None
-        gen = await self._start("cmpl", prompts, req, 1 if req.echo_only else req.max_tokens, req.logprobs,
-                                req.logprobs if echo_logprobs else None)
-        # Echoed prompts go in front of each choice's first piece of text, and with logprobs their tokens in front
-        # of its first tokens, the text offsets counting from the prompt's start.
-        prefixes = [text if req.echo else "" for text, _ in prompts for _ in range(req.n)]
+        gen = await self._start("cmpl", [(None, p) for p in req.prompts], req, 1 if req.echo_only else req.max_tokens,
+                                req.logprobs, req.logprobs if echo_logprobs else None, echo=req.echo)
+        # Echoed prompts (as the engine runs them: truncated by truncate_prompt_tokens) go in front of each choice's
+        # first piece of text, and with logprobs their tokens in front of its first tokens, the text offsets counting
+        # from the prompt's start.
+        prefixes = [text if req.echo else "" for text, _ in gen.prompts for _ in range(req.n)]
         offsets = [0 if echo_logprobs else len(p) for p in prefixes]
 
         def choice(d: Delta) -> CompletionChoice:
             if req.echo_only:
                 d = replace(d, text="", token_ids=[], logprobs=None if d.logprobs is None else [])
             text, prefixes[d.index] = prefixes[d.index] + d.text, ""
-            prompt_ids = None if d.prompt_logprobs is None else prompts[d.index // req.n][1]
+            prompt_ids = None if d.prompt_logprobs is None else gen.prompts[d.index // req.n][1]
             return CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
                                     stop_reason=d.stop_reason,
                                     logprobs=self._completion_logprobs(d, gen, offsets, prompt_ids))
@@ -230,19 +230,6 @@ class OpenAIServing:
                 for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
                     getattr(total.logprobs, key).extend(getattr(part.logprobs, key))
         return response(choices, gen.usage())
-
-    def _prepare_prompts(self, prompts: list[str | list[int]], echo: bool) -> list[tuple[str | None, list[int]]]:
-        """On the engine thread: (prompt text, token ids) per prompt; token-id prompts get text only for echo."""
-        tok = self.tokenizer
-        return [(p, tok(p).input_ids) if isinstance(p, str) else (self._decode_prompt(p) if echo else None, p)
-                for p in prompts]
-
-    def _decode_prompt(self, token_ids: list[int]) -> str:
-        try:  # the ids the engine would reject first: the tokenizer fails on some of them (ids past 2^32)
-            self.engine.engine.validate_prompt(token_ids)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from e
-        return self.tokenizer.decode(token_ids)
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -287,8 +274,10 @@ class OpenAIServing:
             raise APIError(400, str(e)) from e
 
     # ---- shared ------------------------------------------------------------------------------------------
-    async def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], req,
-                     max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> _Generation:
+    async def _start(self, prefix: str, inputs: list[tuple[str | None, str | list[int]]], req, max_tokens: int | None,
+                     logprobs: int | None, prompt_logprobs: int | None = None, echo: bool = False) -> _Generation:
+        """inputs: (prompt_text, prompt) per prompt, as LLMEngine.process_prompt takes them: text or token ids, and
+        the text reported for token ids (or None)."""
         try:
             params = req.sampling_params(max_tokens, logprobs, prompt_logprobs, self.default_sampling)
         except ValueError as e:
@@ -309,10 +298,30 @@ class OpenAIServing:
             if tokens and max(tokens) >= vocab:
                 raise APIError(400, f"{name} token id {max(tokens)} is outside the vocabulary [0, {vocab})",
                                param=name)
-        gen = _Generation(self.engine, self.metrics, random_id(prefix), prompts, params,
-                          "messages" if chat else "prompt")
+        try:  # what process_prompt also refuses, checked first to name the field
+            self.engine.engine.truncation_size(params.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens") from e
+        prompt_param = "messages" if chat else "prompt"
+        prompts = await self.engine.call(self._process_prompts, inputs, params.truncate_prompt_tokens, echo,
+                                         prompt_param)
+        gen = _Generation(self.engine, self.metrics, random_id(prefix), prompts, params, prompt_param)
         await gen.add_requests()
         return gen
+
+    def _process_prompts(self, inputs: list[tuple[str | None, str | list[int]]], truncate_prompt_tokens: int | None,
+                         echo: bool, param: str) -> list[tuple[str | None, list[int]]]:
+        """On the engine thread: (text, token ids) per prompt as the engine will run it (tokenized, truncated,
+        checked: LLMEngine.process_prompt), before the context-length check reads it; token-id prompts get text
+        only for echo."""
+        prompts = []
+        for text, prompt in inputs:
+            try:
+                text, ids = self.engine.engine.process_prompt(prompt, text, truncate_prompt_tokens)
+            except ValueError as e:
+                raise APIError(400, str(e), param=param) from e
+            prompts.append((self.tokenizer.decode(ids) if echo and text is None else text, ids))
+        return prompts
 
     @staticmethod
     async def _sse(gen: _Generation, head: list, chunk_of, usage_chunk, continuous_usage: bool) -> AsyncIterator[str]:
