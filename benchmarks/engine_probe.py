@@ -12,15 +12,15 @@
 - ``gemm-layout``: cuBLAS on the decode projections with nn.Linear's [N, K] weight against the same weight
   stored [K, N], weights rotated through 8 copies so they come from DRAM.
 - ``graph-launch``: host time of a freshly captured decode graph's first three launches (the first uploads it).
-- ``batch1``: batch-1 decode steps as `bench latency` runs them (LLM defaults, one 1024-token prompt), 300 timed:
-  the wall period, and from CUDA events around each step's launches the GPU's period, its span and its idle time
-  between steps (medians). Separate processes of `bench latency` on one H100 varied by up to 25% at batch 1
-  (fourteenth session); the GPU span is the step's own time.
+- ``batch1``: batch-1 decode steps as `bench latency` runs them (LLM defaults, one 1024-token prompt or --context
+  tokens), 300 timed: the wall period, and from CUDA events around each step's launches the GPU's period, its span
+  and its idle time between steps (medians). Separate processes of `bench latency` on one H100 varied by up to 25%
+  at batch 1 (fourteenth session); the GPU span is the step's own time.
 - ``batch1-kernels``: the same steps under torch.profiler: each step's GPU work in order, the decoder-layer kernel's
   launches summed into one line, every other kernel and copy with its time and the gap before it.
 
     python benchmarks/engine_probe.py steps|trace|decode|argmax|gemm-layout|graph-launch|batch1|batch1-kernels
-        [--max-num-seqs N (the batch1 probes)]
+        [--max-num-seqs N] [--context TOKENS] (the batch1 probes)
 
 Variants against each other: benchmarks/alternate.py.
 """
@@ -300,22 +300,23 @@ def probe_graph_launch():
             print(f"bs {bs} bound {bound}: (launch ms, launch+run ms) for replays 1..3: {times}", flush=True)
 
 
-def _batch1_engine(max_num_seqs: int | None):
-    """An engine with defaults (but max_num_seqs, where given), 30 steps into decoding one 1024-token prompt."""
+def _batch1_engine(max_num_seqs: int | None, context: int):
+    """An engine with defaults (but max_num_seqs, where given), 30 steps into decoding one prompt of context
+    tokens."""
     import random
     extra = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     eng = LLM(model_dir_for("qwen3-0.6b"), load_format="dummy", dtype="bfloat16", **extra).engine
     rng = random.Random(0)
-    eng.add_request("batch1", [rng.randint(0, 10000) for _ in range(1024)],
+    eng.add_request("batch1", [rng.randint(0, 10000) for _ in range(context)],
                     SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
     for _ in range(30):
         eng.step()
     return eng
 
 
-def probe_batch1(max_num_seqs: int | None = None):
+def probe_batch1(max_num_seqs: int | None = None, context: int = 1024):
     import statistics
-    eng = _batch1_engine(max_num_seqs)
+    eng = _batch1_engine(max_num_seqs, context)
     events = []
     eng.runner.execute = _timed(eng.runner.execute, lambda *record: events.append(record))
     torch.cuda.synchronize()
@@ -329,16 +330,16 @@ def probe_batch1(max_num_seqs: int | None = None):
     torch.cuda.synchronize()
     pairs = list(zip(events, events[1:]))
     med = statistics.median
-    print(f"batch 1, context {1024 + 30}-{1024 + 330}: wall period {1e3 * med(walls):.3f} ms; GPU period "
+    print(f"batch 1, context {context + 30}-{context + 330}: wall period {1e3 * med(walls):.3f} ms; GPU period "
           f"{med(a[0].elapsed_time(b[0]) for a, b in pairs):.3f} ms, span "
           f"{med(s.elapsed_time(e) for s, e, _ in events):.3f} ms, idle between steps "
           f"{med(a[1].elapsed_time(b[0]) for a, b in pairs):.3f} ms; host in execute "
           f"{1e3 * med(h for *_, h in events):.3f} ms (medians)")
 
 
-def probe_batch1_kernels(max_num_seqs: int | None = None, steps: int = 4):
+def probe_batch1_kernels(max_num_seqs: int | None = None, context: int = 1024, steps: int = 4):
     from torch.profiler import ProfilerActivity, profile
-    eng = _batch1_engine(max_num_seqs)
+    eng = _batch1_engine(max_num_seqs, context)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps + 2):
@@ -380,10 +381,11 @@ if __name__ == "__main__":
     parser.add_argument("probe", choices=sorted(PROBES))
     parser.add_argument("--max-num-seqs", type=int, help="the batch1 probes' engine's (2: it captures the decode "
                         "graphs of one and two sequences only, minutes less on a cold machine)")
+    parser.add_argument("--context", type=int, help="the batch1 probes' prompt length (default 1024)")
     args = parser.parse_args()
     if args.probe.startswith("batch1"):
-        PROBES[args.probe](args.max_num_seqs)
-    elif args.max_num_seqs is not None:
-        parser.error(f"--max-num-seqs is for the batch1 probes, not {args.probe}")
+        PROBES[args.probe](args.max_num_seqs, args.context or 1024)
+    elif args.max_num_seqs is not None or args.context is not None:
+        parser.error(f"--max-num-seqs and --context are for the batch1 probes, not {args.probe}")
     else:
         PROBES[args.probe]()
