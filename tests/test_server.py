@@ -2,6 +2,7 @@
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -93,9 +94,11 @@ def client(server):
 
 
 def get_metrics(url: str) -> dict[str, float]:
+    """Samples but histogram buckets, keyed by name and their labels but model_name:
+    pagedllm:generation_tokens_total, pagedllm:request_success_total{finished_reason="stop"}."""
     text = urllib.request.urlopen(url + "/metrics").read().decode()
-    return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith("pagedllm:") and "_bucket" not in line}
+    return {re.sub(r'\{model_name="[^"]*",?', "{", line.rsplit(" ", 1)[0]).removesuffix("{}"): float(line.split()[-1])
+            for line in text.splitlines() if line.startswith("pagedllm:") and "_bucket" not in line}
 
 
 def wait_for_metrics(url: str, condition, timeout: float = 10.0) -> dict[str, float]:
@@ -592,6 +595,53 @@ def test_api_key_is_required_and_server_keeps_serving(server, client):
     assert get_metrics(server)["pagedllm:num_requests_running"] == 0
 
 
+# ---- per-request metrics ----------------------------------------------------------------------------------
+def success(reason: str) -> str:
+    return f'pagedllm:request_success_total{{finished_reason="{reason}"}}'
+
+
+def test_per_request_metrics_count_each_finished_sequence(tiny_server):
+    """vLLM's per-request series take each finished sequence once (n=2 twice), completions and chat, streamed or
+    not, under its finish reason."""
+    tiny = OpenAI(base_url=tiny_server + "/v1", api_key="unused", max_retries=0)
+    max_len = json.loads(urllib.request.urlopen(tiny_server + "/v1/models").read())["data"][0]["max_model_len"]
+    length = {"ignore_eos": True}
+    stop = {"allowed_token_ids": [42], "stop_token_ids": [42]}  # the first token ends the sequence
+    usage = {"include_usage": True}
+    before = get_metrics(tiny_server)
+    plain = tiny.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, extra_body=length)
+    *_, streamed = tiny.completions.create(model="tiny", prompt=[5, 6], max_tokens=4, n=2, stream=True,
+                                           stream_options=usage, extra_body=length)
+    chat_stop = tiny.chat.completions.create(model="tiny", messages=CHAT, extra_body=stop)  # max_tokens unset
+    *_, chat_streamed = tiny.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, stream=True,
+                                                     stream_options=usage, extra_body=length)
+    assert chat_stop.choices[0].finish_reason == "stop"
+    after = get_metrics(tiny_server)
+    delta = {key: after[key] - before[key] for key in after}
+
+    assert delta[success("length")] == 1 + 2 + 1 and delta[success("stop")] == 1 and delta[success("abort")] == 0
+    usages = [plain.usage, streamed.usage, chat_stop.usage, chat_streamed.usage]
+    sequences = [1, 2, 1, 1]
+    for name in ("e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens",
+                 "request_params_max_tokens"):
+        assert delta[f"pagedllm:{name}_count"] == 5, name
+    # each of the n prompt's sequences counts the prompt
+    assert delta["pagedllm:request_prompt_tokens_sum"] == sum(u.prompt_tokens * n for u, n in zip(usages, sequences))
+    generated = sum(u.completion_tokens for u in usages)
+    assert delta["pagedllm:request_generation_tokens_sum"] == generated == delta["pagedllm:generation_tokens_total"]
+    chat_limit = max_len - chat_stop.usage.prompt_tokens
+    assert delta["pagedllm:request_params_max_tokens_sum"] == 4 + 2 * 4 + chat_limit + 3
+    assert delta["pagedllm:request_params_n_count"] == 4 and delta["pagedllm:request_params_n_sum"] == 5
+    # one TTFT per prompt, each before its sequences' ends
+    assert delta["pagedllm:time_to_first_token_seconds_count"] == 4
+    assert delta["pagedllm:e2e_request_latency_seconds_sum"] >= delta["pagedllm:time_to_first_token_seconds_sum"] > 0
+    # vLLM's token-count buckets: 1, 2, 5, 10, ... up to max_model_len
+    text = urllib.request.urlopen(tiny_server + "/metrics").read().decode()
+    bounds = re.findall(r'pagedllm:request_prompt_tokens_bucket\{model_name="tiny",le="([^"]+)"\}', text)
+    assert bounds == [repr(float(m * 10 ** e)) for e in range(10) for m in (1, 2, 5) if m * 10 ** e <= max_len] + [
+        "+Inf"]
+
+
 # ---- load, disconnects, overload --------------------------------------------------------------------------
 def test_load_with_disconnecting_clients_frees_everything(server):
     """64 concurrent streams; every fourth client hangs up after two chunks of a long request. The others
@@ -628,6 +678,11 @@ def test_load_with_disconnecting_clients_frees_everything(server):
     assert after["pagedllm:time_to_first_token_seconds_count"] >= before[
         "pagedllm:time_to_first_token_seconds_count"] + 64
     assert after["pagedllm:inter_token_latency_seconds_count"] > before["pagedllm:inter_token_latency_seconds_count"]
+    # as in vLLM, only the finished requests are in the per-request metrics
+    for name in (success("length"), success("stop"), success("abort"), "pagedllm:e2e_request_latency_seconds_count"):
+        after[name] -= before[name]
+    assert after[success("length")] + after[success("stop")] == 48 and after[success("abort")] == 0
+    assert after["pagedllm:e2e_request_latency_seconds_count"] == 48
 
 
 async def _aenumerate(aiterable):
@@ -638,6 +693,7 @@ async def _aenumerate(aiterable):
 
 
 def test_non_streaming_client_disconnect_aborts(tiny_server):
+    before = get_metrics(tiny_server)
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", int(tiny_server.rsplit(":", 1)[1]))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -645,6 +701,9 @@ def test_non_streaming_client_disconnect_aborts(tiny_server):
         wait_for_metrics(tiny_server, lambda m: m["pagedllm:num_requests_running"] == 1)
     m = wait_for_metrics(tiny_server, lambda m: m["pagedllm:num_requests_running"] == 0, timeout=5)
     assert m["pagedllm:kv_cache_usage_perc"] == 0.0 and m["pagedllm:generation_tokens_total"] < 3000
+    # in none of the per-request metrics, as a stream's disconnect
+    for name in (success("abort"), "pagedllm:e2e_request_latency_seconds_count", "pagedllm:request_params_n_count"):
+        assert m[name] == before[name], name
 
 
 def test_full_waiting_queue_gets_503_then_recovers(tiny_server):

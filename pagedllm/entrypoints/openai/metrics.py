@@ -1,4 +1,4 @@
-"""Prometheus text exposition (format 0.0.4) written by hand: a few gauges, counters and two histograms."""
+"""Prometheus text exposition (format 0.0.4) written by hand: a few gauges, counters and histograms."""
 from __future__ import annotations
 
 import bisect
@@ -25,7 +25,7 @@ class Histogram:
     def __init__(self, name: str, help: str, buckets: list[float]) -> None:
         self.name = name
         self.help = help
-        self.buckets = sorted(buckets)
+        self.buckets = sorted(map(float, buckets))  # le="1.0", as prometheus_client writes integer bounds
         self.counts = [0] * (len(self.buckets) + 1)  # the last slot is +Inf
         self.sum = 0.0
 
@@ -44,8 +44,33 @@ class Histogram:
         return lines
 
 
+class LabelledCounter:
+    """A counter with one series per value of one label. The values given up front are exposed at 0 from the start,
+    as vLLM creates request_success's series for every finish reason."""
+
+    def __init__(self, name: str, help: str, label: str, values: list[str]) -> None:
+        self.name = name
+        self.help = help
+        self.label = label
+        self.counts = dict.fromkeys(values, 0)
+
+    def inc(self, value: str) -> None:
+        self.counts[value] = self.counts.get(value, 0) + 1
+
+    def render(self, labels: str) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter",
+                *(f'{self.name}_total{{{labels},{self.label}="{_escape(value)}"}} {float(count)!r}'
+                  for value, count in self.counts.items())]
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    """What the server observes itself: TTFT and inter-token latency as tokens arrive, and vLLM's per-request
+    metrics once per finished sequence (each of n samples counts, as vLLM runs them as child requests), with vLLM's
+    names, help texts and buckets. A sequence aborted because its client went away is in none of the per-request
+    metrics, as in vLLM, whose client aborts skip its finished-request stats (its abort series stays at 0,
+    vllm-project/vllm#31503): dashboards then read the same numbers from both servers."""
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
         self.labels = f'model_name="{_escape(model_name)}"'
         self.time_to_first_token = Histogram(
             "pagedllm:time_to_first_token_seconds", "Time from request arrival to its first generated token.",
@@ -54,6 +79,32 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "pagedllm:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.",
             [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0])
+        self.request_success = LabelledCounter(
+            "pagedllm:request_success", "Count of successfully processed requests.", "finished_reason",
+            ["stop", "length", "abort"])
+        self.e2e_request_latency = Histogram(
+            "pagedllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+             960.0, 1920.0, 7680.0])
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "pagedllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = Histogram(
+            "pagedllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets)
+        self.request_params_n = Histogram(
+            "pagedllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
+        self.request_params_max_tokens = Histogram(
+            "pagedllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets)
+
+    def request_finished(self, finish_reason: str, e2e_latency: float, prompt_tokens: int, generation_tokens: int,
+                         max_tokens: int) -> None:
+        """One finished sequence. max_tokens: its effective limit (with max_tokens unset, what the context leaves),
+        the value vLLM's server puts in SamplingParams."""
+        self.request_success.inc(finish_reason)
+        self.e2e_request_latency.observe(e2e_latency)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.request_params_max_tokens.observe(max_tokens)
 
     def render(self, stats: dict[str, float]) -> str:
         lines = []
@@ -62,9 +113,22 @@ class ServerMetrics:
             sample = f"{name}_total" if kind == "counter" else name
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}",
                       f"{sample}{{{self.labels}}} {float(stats[key])!r}"]
-        lines += self.time_to_first_token.render(self.labels)
-        lines += self.inter_token_latency.render(self.labels)
+        for metric in (self.time_to_first_token, self.inter_token_latency, self.request_success,
+                       self.e2e_request_latency, self.request_prompt_tokens, self.request_generation_tokens,
+                       self.request_params_n, self.request_params_max_tokens):
+            lines += metric.render(self.labels)
         return "\n".join(lines) + "\n"
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's bounds for its token-count histograms."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 def _escape(value: str) -> str:

@@ -32,7 +32,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
               cors: dict | None = None) -> FastAPI:
     """The app for an engine that is not started yet; its lifespan starts and stops the engine loop. cors:
     CORSMiddleware's options (default: any origin, method and header, as vLLM allows)."""
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, engine.config.max_model_len)
     serving = OpenAIServing(engine, model_name, metrics, chat_template)
 
     @contextlib.asynccontextmanager

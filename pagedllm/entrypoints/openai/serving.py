@@ -129,8 +129,10 @@ class _Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Per-choice deltas until every choice finished; aborts the engine requests if the caller stops early
-        (client gone). Records TTFT / inter-token latency and logs one line per call."""
+        (client gone). Records TTFT / inter-token latency, each finished choice's per-request metrics, and logs one
+        line per call."""
         n = self.params.n
+        max_len = self.engine.config.max_model_len
         last_token_time = [None] * len(self.prompts)
         num_tokens = [0] * len(self.prompts)
         try:
@@ -145,11 +147,18 @@ class _Generation:
                         new = generated - num_tokens[p]
                         self.metrics.inter_token_latency.observe((now - last_token_time[p]) / new, new)
                     last_token_time[p], num_tokens[p] = now, generated
+                if out.finished:  # all n samples, as vLLM observes n once its child requests all finished
+                    self.metrics.request_params_n.observe(n)
+                prompt_len = len(self.prompts[p][1])
                 for c in out.outputs:
                     delta = self.choices[p * n + c.index].advance(p * n + c.index, c, self.params.stop,
                                                                   out.prompt_logprobs)
-                    if delta is not None:
-                        yield delta
+                    if delta is None:
+                        continue
+                    if delta.finish_reason is not None:  # before the yield, which a client gone never returns from
+                        self.metrics.request_finished(delta.finish_reason, now - self.start, prompt_len,
+                                                      len(c.token_ids), self.params.max_tokens or max_len - prompt_len)
+                    yield delta
         except EngineDead as e:
             raise APIError(500, str(e), type="server_error") from e
         finally:
