@@ -131,8 +131,9 @@ def _rms_norm():
 
 def _greedy_screen():
     """The screened greedy head's screen (greedy_head) on Qwen3-0.6B's 151936 x 1024 head."""
-    types = dict(x="*bf16", codes="*i32", scale="*fp32", bound="*fp32", hi="*fp32", top="*fp32", gamma="fp32")
-    consts = dict(K=1024, WORDS_PAD=256, BN=greedy_head.SCREEN_ROWS, SLOTS=greedy_head.TOP_SLOTS)
+    types = dict(x="*bf16", codes="*i64", scale="*fp32", bound="*fp32", hi="*fp32", top="*fp32", gamma="fp32")
+    consts = dict(K=1024, COLS_PAD=128, BN=greedy_head.SCREEN_ROWS, SLOTS=greedy_head.TOP_SLOTS, INTERPRET=False,
+                  **greedy_head.fixed_point(1024))
     return greedy_head._screen_kernel, types, consts, dict(num_warps=greedy_head.SCREEN_WARPS, num_stages=3)
 
 

@@ -72,6 +72,22 @@ def test_screen_bounds_hold_and_prune():
     assert (screen.top == float("-inf")).all()
 
 
+def test_bounds_take_in_the_fixed_point_rounding():
+    """The screen sums x in fixed point, 2^-14 units of its largest |x_j| here (1.0): inputs of 1.5 units round up by
+    half a unit each, and rows that int8 codes hold exactly (no code error) all weigh them -64 / 128, so the screen's
+    sum lies below the logit by 255 x 0.5 x 2^-14 x 0.5, about 0.0039. Only the fixed point's term in the bound
+    covers that; with it, Cauchy-Schwarz is tight here."""
+    weight = torch.full((64, HIDDEN), -0.5, dtype=torch.float16)
+    weight[:, 0] = 127 / 128
+    x = torch.full((1, HIDDEN), 1.5 * 2.0 ** -14, dtype=torch.float16)
+    x[0, 0] = 1.0
+    screen = greedy_head.ScreenedHead(weight)
+    hi, t = screen.bounds(x)
+    exact = (x.double() @ weight.double().T)[0]
+    assert (exact <= hi.double()).all() and t <= exact.max()
+    assert torch.equal(screen.greedy(x), _expected(x, weight))
+
+
 # (x's one nonzero input, row 0's weight there, row 100's): logits 2^-20 - 2^-26 and 2^-20 (both 2^-20 in float16,
 # whose subnormals are 2^-24 apart), and ~7e4 and ~1.3e6 (both infinity)
 @pytest.mark.parametrize("x0,w0,w100", [(2.0 ** -10, 2.0 ** -10 - 2.0 ** -16, 2.0 ** -10), (256.0, 273.5, 5078.0)],

@@ -21,17 +21,25 @@ its 2374 on average (15 at most), and the head + argmax took 64 us instead of 10
 (K = 4096 widens the bound) 145 of 2004, 217-248 us instead of 345. Many near-equal logits make more tiles pass,
 which is slower, never wrong.
 
-The int8 codes are stored as bytes q + 128, four to an int32 word, and widened exactly with integer instructions
-(2^23 + u as a float32's bits, less 2^23 + 128): a conversion instruction would issue at a quarter of the rate.
-The screen's sum is a GEMV on the CUDA cores, which issues in less time than the codes take to arrive (2.8 TB/s
-on the H100, 8 rows a program of 2 warps; persistent programs streaming tiles through shared memory were no
-faster). Only steps of one sequence take it: at two rows the screen held twice the registers, fewer programs fit
-an SM, and it read at half the rate (108 us against head_linear's 105). It is launched plainly, after the final
-norm: as a dependent launch its programs requested their codes beside the last layer's down_proj and waited there,
-and the engine's batch-1 step was 3-4 us slower on the H100 (benchmarks/results/README.md, forty-fifth and
-forty-sixth sessions).
+The screen's sums are exact integers: x goes to fixed point, X_j = x_j / u rounded, u a power of two such that
+|X_j| <= XCAP (fixed_point: 16513 at K = 1024, so that no int32 sum of 127 |X_j| overflows), and dp2a
+instructions multiply two 16-bit X_j by two int8 codes and add them to an int32, four a word of 8 codes; the bound
+takes in the fixed point's rounding as ||s_v q_v|| ||x - X u|| (Cauchy-Schwarz). Every program computes u and X
+from x (2 KB, read from the L2). The earlier screen widened each code to float32 (2^23 + u as a float's bits) for
+an FMA, ~920 instructions a thread against ~600 (sm_90a SASS, 8 rows a program of 2 warps), and at the H100's 13
+bytes a cycle an SM those were most of the issue slots: on the H100 (benchmarks/greedy_head.py, forty-ninth
+session) the screen alone 55.9 -> 53.5 us on Qwen3-0.6B's head (2.82 -> 2.94 TB/s), 219 -> 194 us on Llama 3 8B's
+(2.41 -> 2.72 TB/s), and the engine's batch-1 step 1-2.5 us shorter. The screen is a GEMV on the CUDA cores, 8
+rows a program of 2 warps (16 x 4 read Llama 3 8B's head at 3.12 TB/s, 169 us, but was not tried in the engine;
+persistent programs streaming tiles through shared memory were no faster). Only steps of one sequence take it: at
+two rows the screen held twice the registers, fewer programs fit an SM, and it read at half the rate (108 us
+against head_linear's 105). It is launched plainly, after the final norm: as a dependent launch its programs
+requested their codes beside the last layer's down_proj and waited there, and the engine's batch-1 step was 3-4 us
+slower on the H100 (benchmarks/results/README.md, forty-fifth and forty-sixth sessions).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -57,28 +65,98 @@ MARGIN = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9}
 
 
 @triton.jit
-def _screen_kernel(x, codes, scale, bound, hi, top, V, gamma, K: tl.constexpr, WORDS_PAD: tl.constexpr,
-                   BN: tl.constexpr, SLOTS: tl.constexpr):
+def _dot8(w, xa, xb, xc, xd, INTERPRET: tl.constexpr):
+    """int32 sums of the 8 signed bytes of each w (int64: the codes of 8 columns) times x's fixed-point values, xa..xd
+    holding two of those columns each as 16-bit halves (the first in the low half): four dp2a instructions."""
+    if INTERPRET:  # the interpreter runs no PTX: the same integer sums, one byte at a time
+        acc = tl.zeros(w.shape, tl.int32)
+        for i in tl.static_range(8):
+            code = ((w >> (8 * i)) & 0xFF).to(tl.int32)
+            code -= (code & 0x80) << 1
+            if i < 2:
+                pair = xa
+            elif i < 4:
+                pair = xb
+            elif i < 6:
+                pair = xc
+            else:
+                pair = xd
+            if i % 2 == 0:
+                acc += code * ((pair << 16) >> 16)  # arithmetic shifts: signed halves
+            else:
+                acc += code * (pair >> 16)
+        return acc
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 lo, hi;
+        mov.b64 {lo, hi}, $1;
+        mov.b32 $0, 0;
+        dp2a.lo.s32.s32 $0, $2, lo, $0;
+        dp2a.hi.s32.s32 $0, $3, lo, $0;
+        dp2a.lo.s32.s32 $0, $4, hi, $0;
+        dp2a.hi.s32.s32 $0, $5, hi, $0;
+        }""", "=r,l,r,r,r,r", [w, xa, xb, xc, xd], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fixed_pair(lo, hi, inv, unit):
+    """Two columns of x in fixed point, X = x inv rounded to the nearest integer, as the 16-bit halves of one int32;
+    and their squares and squared rounding errors in units of x (||x|| and ||x - X unit|| enter the bound). Adding
+    1.5 2^23 rounds x inv (|x inv| < 2^22) to an integer, which the float's low bits then hold."""
+    a = lo * inv + 12582912.0
+    b = hi * inv + 12582912.0
+    da = lo - (a - 12582912.0) * unit
+    db = hi - (b - 12582912.0) * unit
+    packed = (a.to(tl.int32, bitcast=True) & 0xFFFF) | (b.to(tl.int32, bitcast=True) << 16)
+    return packed, lo * lo + hi * hi, da * da + db * db
+
+
+@triton.jit
+def _screen_kernel(x, codes, scale, bound, hi, top, V, gamma, K: tl.constexpr, COLS_PAD: tl.constexpr,
+                   XCAP: tl.constexpr, LOG2_XCAP: tl.constexpr, BN: tl.constexpr, SLOTS: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     tile = tl.program_id(0)
     n = tile * BN + tl.arange(0, BN)
     n_ok = n < V
-    words = tl.arange(0, WORDS_PAD)
-    w_ok = words < K // 4
-    w = tl.load(codes + n[:, None].to(tl.int64) * (K // 4) + words[None, :], mask=n_ok[:, None] & w_ok[None, :],
+    cols = tl.arange(0, COLS_PAD)  # words of 8 codes
+    c_ok = cols < K // 8
+    w = tl.load(codes + n[:, None].to(tl.int64) * (K // 8) + cols[None, :], mask=n_ok[:, None] & c_ok[None, :],
                 other=0)
     s = tl.load(scale + n, mask=n_ok, other=0.0)
     err = tl.load(bound + n, mask=n_ok, other=0.0)
     norm = tl.load(bound + V + n, mask=n_ok, other=0.0)
-    dot = tl.zeros([BN, WORDS_PAD], tl.float32)
-    sq = tl.zeros([WORDS_PAD], tl.float32)
-    for b in tl.static_range(4):
-        code = (((w >> (8 * b)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-        xb = tl.load(x + 4 * words + b, mask=w_ok, other=0.0).to(tl.float32)
-        dot += code * xb[None, :]
-        sq += xb * xb
-    a = tl.sum(dot, axis=1) * s
-    # 1 + 2^-10: the bound's own float32 rounding, ||x||'s included
-    bound_ = (err + gamma * norm) * tl.sqrt(tl.sum(sq, axis=0)) * 1.0009765625
+    # x in fixed point, X = x / unit rounded, unit a power of two such that |X| <= XCAP (no int32 sum of 127 |X|
+    # overflows): the screen's sums are then exact integers. Each word's 8 columns, in the words' layout.
+    xp = x + 8 * cols
+    x0 = tl.load(xp, mask=c_ok, other=0.0).to(tl.float32)
+    x1 = tl.load(xp + 1, mask=c_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + 2, mask=c_ok, other=0.0).to(tl.float32)
+    x3 = tl.load(xp + 3, mask=c_ok, other=0.0).to(tl.float32)
+    x4 = tl.load(xp + 4, mask=c_ok, other=0.0).to(tl.float32)
+    x5 = tl.load(xp + 5, mask=c_ok, other=0.0).to(tl.float32)
+    x6 = tl.load(xp + 6, mask=c_ok, other=0.0).to(tl.float32)
+    x7 = tl.load(xp + 7, mask=c_ok, other=0.0).to(tl.float32)
+    largest = tl.max(tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                                tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7)))),
+                     axis=0)
+    # inv = 2^(LOG2_XCAP + 127 - b), b the biased exponent of largest, puts largest inv in [2^LOG2_XCAP,
+    # 2^(LOG2_XCAP + 1)): halved where that passes XCAP; clamped for x near 0 (and unit's exponent in range)
+    b = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    inv_bits = tl.minimum(tl.maximum(LOG2_XCAP + 254 - b, 2), 253)
+    inv_bits = tl.where(largest * (inv_bits << 23).to(tl.float32, bitcast=True) > XCAP, inv_bits - 1, inv_bits)
+    inv = (inv_bits << 23).to(tl.float32, bitcast=True)
+    unit = ((254 - inv_bits) << 23).to(tl.float32, bitcast=True)  # exactly 1 / inv
+    xa, sq, off = _fixed_pair(x0, x1, inv, unit)
+    xb, sq_b, off_b = _fixed_pair(x2, x3, inv, unit)
+    xc, sq_c, off_c = _fixed_pair(x4, x5, inv, unit)
+    xd, sq_d, off_d = _fixed_pair(x6, x7, inv, unit)
+    dot = tl.sum(_dot8(w, xa[None, :], xb[None, :], xc[None, :], xd[None, :], INTERPRET), axis=1)
+    a = dot.to(tl.float32) * s * unit
+    nx = tl.sqrt(tl.sum(sq + sq_b + sq_c + sq_d, axis=0))
+    r = tl.sqrt(tl.sum(off + off_b + off_c + off_d, axis=0))
+    # |W_v x - A_v| <= ||W_v - s_v q_v|| ||x|| + ||s_v q_v|| ||x - X unit|| + float32 rounding (gamma); 1 + 2^-10:
+    # the bound's own rounding, the norms' included
+    bound_ = (err * nx + norm * (gamma * nx + r)) * 1.0009765625
     tl.store(hi + n, a + bound_, mask=n_ok)
     tl.atomic_max(top + tile % SLOTS, tl.max(tl.where(n_ok, a - bound_, float("-inf")), axis=0), sem="relaxed")
 
@@ -114,6 +192,17 @@ def _pick_kernel(x, w_desc, hi, top, values, indices, V, margin, tiny, cap, K: t
     tl.store(indices + part, best_n.to(tl.int64))
 
 
+def fixed_point(k: int) -> dict[str, int]:
+    """The screen kernel's fixed-point constants for x of k columns: XCAP, the largest |X_j| (a 16-bit half of dp2a's
+    operand, and 127 k of it within int32), and LOG2_XCAP, the largest power of two within it."""
+    cap = min(2 ** 15 - 1, (2 ** 31 - 1) // (127 * k))
+    return dict(XCAP=cap, LOG2_XCAP=cap.bit_length() - 1)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def threshold_terms(dtype: torch.dtype) -> tuple[float, float, float]:
     """(relative margin, absolute margin, cap) of the pick's threshold for logits of dtype: T - |T| margin - tiny,
     at most the dtype's largest finite value (a logit from there on may round to infinity, a tie)."""
@@ -129,7 +218,7 @@ def threshold(t: float, dtype: torch.dtype) -> float:
 
 class ScreenedHead:
     """The int8 screen of an LM head weight [V, K] (16-bit, V a multiple of 64, K of 128: head_linear's tiles),
-    built once: codes (int32 [V, K / 4], bytes q + 128), scale (float32 [V]) and bound (float32 [2, V]:
+    built once: codes (int64 [V, K / 8], eight int8 q each), scale (float32 [V]) and bound (float32 [2, V]:
     ||W_v - s_v q_v|| and ||W_v|| + that, rounded up), and top, the slots of a step's T: V K + 12 V bytes of
     device memory (cuda_graph.screen_bytes)."""
 
@@ -139,7 +228,7 @@ class ScreenedHead:
             raise ValueError(f"screened LM head: a {tuple(weight.shape)} {weight.dtype} weight is not one "
                              "head_linear tiles (16-bit, rows a multiple of 64, columns of 128)")
         self.weight = weight
-        self.codes = torch.empty(v, k, dtype=torch.uint8, device=weight.device)
+        self.codes = torch.empty(v, k, dtype=torch.int8, device=weight.device)
         self.scale = torch.empty(v, dtype=torch.float32, device=weight.device)
         self.bound = torch.empty(2, v, dtype=torch.float32, device=weight.device)
         step = max(1, 2 ** 23 // k)  # rows a slice: its float64 temporaries take ~4 x 64 MB
@@ -148,12 +237,12 @@ class ScreenedHead:
             s = (w.abs().amax(dim=1) / 127).float()
             q = torch.where(s[:, None] > 0, w / s.double()[:, None], 0.0).round().clamp(-127, 127)
             err = (w - q * s.double()[:, None]).norm(dim=1)
-            self.codes[r:r + step] = (q + 128).to(torch.uint8)
+            self.codes[r:r + step] = q.to(torch.int8)
             self.scale[r:r + step] = s
             # the float32 copies of float64 norms rounded up (2^-20 exceeds their rounding)
             self.bound[0, r:r + step] = err * (1 + 2.0 ** -20)
             self.bound[1, r:r + step] = (w.norm(dim=1) + err) * (1 + 2.0 ** -20)
-        self.codes = self.codes.view(torch.int32)
+        self.codes = self.codes.view(torch.int64)
         # -inf between calls: the screen's atomics raise it, the argmax after the pick resets it (so the kernels of
         # one ScreenedHead must not run on two streams at once)
         self.top = torch.full((TOP_SLOTS,), float("-inf"), device=weight.device)
@@ -170,9 +259,9 @@ class ScreenedHead:
         # Each logit head_linear or the screen sums is within 2 K 2^-24 ||W_v|| ||x|| of its exact value (float32
         # rounding of K products); twice that, and 2^-20 for the bound's own terms.
         gamma = 4 * k * 2.0 ** -24 + 2.0 ** -20
-        _screen_kernel[(triton.cdiv(v, SCREEN_ROWS),)](x, self.codes, self.scale, self.bound, hi, self.top, v, gamma,
-                                                       K=k, WORDS_PAD=triton.next_power_of_2(k // 4), BN=SCREEN_ROWS,
-                                                       SLOTS=TOP_SLOTS, num_warps=SCREEN_WARPS)
+        _screen_kernel[(triton.cdiv(v, SCREEN_ROWS),)](
+            x, self.codes, self.scale, self.bound, hi, self.top, v, gamma, K=k, COLS_PAD=triton.next_power_of_2(k // 8),
+            BN=SCREEN_ROWS, SLOTS=TOP_SLOTS, INTERPRET=_interpreted(), num_warps=SCREEN_WARPS, **fixed_point(k))
         return hi
 
     def bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
