@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -35,8 +35,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's: only the prompt's last k tokens are kept (-1: max_model_len), before the engine checks or caches it
     truncate_prompt_tokens: int | None = None
-    # Filled by the engine from the model's generation config; not a user knob.
-    _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    # vLLM's: words never generated. Each is tokenized as it is and after a space; where that takes several tokens,
+    # the last is banned wherever the output ends with the others.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +97,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of words (strings with something besides spaces)")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k == 0 or k < -1):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for max_model_len")

@@ -429,6 +429,27 @@ def test_allowed_token_ids_bound_every_sampled_token():
         assert all(set(o.outputs[0].token_ids) <= {7, 9, 11} and len(o.outputs[0].token_ids) == 6 for o in tokens)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_bad_words_are_never_generated(async_scheduling):
+    """vLLM's bad_words: " Paris" (one token, either spelling) never comes, and "answer is" (two) has its second
+    token banned only after its first: the greedy text keeps " answer" and goes another way from there. The same
+    with steps overlapped, which a word of several tokens switches off (its ban reads the token before)."""
+    llm = LLM(MODEL, dtype="float32", seed=0, async_scheduling=async_scheduling)
+    prompt = ["The capital of France is"]
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tok = llm.get_tokenizer()
+    paris = {tok.encode(w, add_special_tokens=False)[0] for w in ("Paris", " Paris")}
+    answer, is_ = tok.encode(" answer is", add_special_tokens=False)
+    assert paris & set(plain) and (answer, is_) in zip(plain, plain[1:])  # what the bans must change
+    banned = SamplingParams(temperature=0.0, max_tokens=24, bad_words=["Paris", "answer is"])
+    tokens = llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0].token_ids
+    assert not paris & set(tokens) and (answer, is_) not in zip(tokens, tokens[1:])
+    words = SamplingParams(temperature=0.0, max_tokens=24, bad_words=["answer is"])
+    tokens = llm.generate(prompt, words, use_tqdm=False)[0].outputs[0].token_ids
+    cut = plain.index(answer) + 1
+    assert tokens[:cut] == plain[:cut] and tokens[cut] != is_
+
+
 def test_truncate_prompt_tokens_runs_and_reports_the_prompts_last_tokens(llm):
     """As vLLM's truncate_prompt_tokens: a text, token-id or chat prompt runs as its last k tokens, and is reported
     as them (prompt_token_ids, prompt text, prompt logprobs), just as a request for those tokens alone."""

@@ -31,7 +31,8 @@ def sample(requests, logits, seed=0):
     ("allowed_token_ids", [-1]),
     ("repetition_penalty", 1e39),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", True),
-    ("truncate_prompt_tokens", 2.0), ("truncate_prompt_tokens", "8"),
+    ("truncate_prompt_tokens", 2.0), ("truncate_prompt_tokens", "8"), ("bad_words", "word"), ("bad_words", [" "]),
+    ("bad_words", [3]),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -158,6 +159,19 @@ def test_allowed_token_ids_are_the_only_ones_sampled():
     assert out.logprobs[0][token].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[token]), abs=1e-5)
     hot = [make_request(f"h{i}", temperature=50.0, seed=i, allowed_token_ids=[5, 6]) for i in range(32)]
     assert set(sample(hot, torch.randn(32, VOCAB)).token_ids) == {5, 6}
+
+
+def test_bad_words_ban_their_last_token_once_the_output_ends_with_the_rest():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5], logits[0, 9], logits[0, 3] = 3.0, 2.0, 1.0
+    req = make_request(temperature=0.0)
+    req.bad_words_token_ids = ((5,), (7, 9))
+    assert not Sampler.plain_greedy([req])
+    assert sample([req], logits.clone()).token_ids == [9]
+    req.append_output_token(7)
+    assert sample([req], logits.clone()).token_ids == [3]
+    req.append_output_token(8)
+    assert sample([req], logits.clone()).token_ids == [9]
 
 
 def test_repetition_penalty_discourages_seen_tokens():

@@ -225,6 +225,16 @@ def test_echo_and_extras(client):
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
 
 
+def test_bad_words_as_llm_generate(client, llm):
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0).choices[0].text
+    words = [plain.split()[0]]  # the greedy text's first word
+    expected = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, bad_words=words),
+                            use_tqdm=False)[0].outputs[0].text
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                    extra_body={"bad_words": words})
+    assert out.choices[0].text == expected != plain
+
+
 def test_echo_with_logprobs_scores_the_prompt(client, llm):
     """Completions with echo and logprobs (how lm-eval-harness scores a text): the prompt's tokens come first with
     the engine's prompt logprobs (the first token has none), then the completion's, the text offsets counting from
@@ -541,6 +551,7 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(10**9): 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "bad_words": [" "]}, "bad_words"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     # what SamplingParams checks, named as it names them

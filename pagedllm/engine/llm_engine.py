@@ -106,13 +106,14 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings are matched in the text, and this model has no tokenizer to produce it: "
                              "use stop_token_ids")
+        bad_words = self.bad_words_token_ids(params.bad_words or [])
         text, token_ids = self.process_prompt(prompt, prompt_text, params.truncate_prompt_tokens)
         max_tokens = self.config.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         children = [
             Request(child_id, token_ids, params, max_tokens, prompt=text, parent_id=request_id, index=i,
-                    eos_token_ids=self.eos_token_ids, eos_token_id=self.eos_token_id)
+                    eos_token_ids=self.eos_token_ids, eos_token_id=self.eos_token_id, bad_words_token_ids=bad_words)
             for i, child_id in enumerate(ids[-params.n:])
         ]
         added = []
@@ -145,6 +146,20 @@ class LLMEngine:
         if truncated and text is not None:
             text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)
         return text, token_ids
+
+    def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """SamplingParams.bad_words as vLLM tokenizes them: each word without its leading spaces, and after one space
+        where that gives other ids of as many tokens (a word-initial token of BPE vocabularies)."""
+        if words and self.tokenizer is None:
+            raise ValueError("bad_words are tokenized, and this model has no tokenizer: ban token ids with logit_bias")
+        token_ids = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            token_ids.append(tuple(bare))
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                token_ids.append(tuple(spaced))
+        return tuple(token_ids)
 
     def truncation_size(self, truncate_prompt_tokens: int | None) -> int | None:
         """How many of a prompt's last tokens SamplingParams.truncate_prompt_tokens keeps (-1: max_model_len, as in
@@ -245,8 +260,7 @@ class LLMEngine:
         self.kv_cache_manager.reset_prefix_cache()
 
     def _overlaps(self, sampling: list[Request]) -> bool:
-        # Penalties read every token of the request, so the next step must wait for this one's.
-        return self.config.async_scheduling and not any(r.sampling_params.has_penalties for r in sampling)
+        return self.config.async_scheduling and not any(r.samples_after_its_tokens for r in sampling)
 
     def _process(self, step: _Step, final_only: bool) -> list[RequestOutput]:
         """Reads a step's tokens back (waiting for the device) and turns them into outputs."""

@@ -50,6 +50,7 @@ class Request:
         index: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
         eos_token_id: int | None = None,
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -62,6 +63,8 @@ class Request:
         # a sample that ends on another has that id as its stop reason, a stop token id to vLLM.
         self.eos_token_ids = eos_token_ids
         self.eos_token_id = eos_token_id
+        # SamplingParams.bad_words as token ids (LLMEngine.bad_words_token_ids)
+        self.bad_words_token_ids = bad_words_token_ids
         self.arrival = next(_arrival_counter)
 
         self.output_token_ids: list[int] = []
@@ -111,6 +114,19 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def banned_token_ids(self) -> list[int]:
+        """The last token of each bad word whose other tokens end the output (all of a one-token word's)."""
+        out = self.output_token_ids
+        return [word[-1] for word in self.bad_words_token_ids
+                if len(word) == 1 or out[len(out) - len(word) + 1:] == list(word[:-1])]
+
+    @property
+    def samples_after_its_tokens(self) -> bool:
+        """Whether sampling its next token reads the tokens before it (penalties, bad words of several tokens): the
+        step must then wait for the previous one's."""
+        return self.sampling_params.has_penalties or any(len(word) > 1 for word in self.bad_words_token_ids)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -214,11 +214,13 @@ class Sampler:
     @staticmethod
     def plain_greedy(requests: list[Request]) -> bool:
         """Whether a step of these requests takes each row's largest logit as it is: no random sampling,
-        penalties, logprobs, logit bias or min_tokens ban (so only the argmax of the logits is needed)."""
+        penalties, logprobs, logit bias, allowed or bad words or min_tokens ban (so only the argmax of the logits is
+        needed)."""
         # The token sampled now is output number num_output_tokens + num_placeholders (counting from 1): the
         # placeholders include it and any earlier token still on its way.
         return all(p.greedy and not p.has_penalties and p.logprobs is None and not p.logit_bias
-                   and p.allowed_token_ids is None and r.num_output_tokens + r.num_placeholders > p.min_tokens
+                   and p.allowed_token_ids is None and not r.bad_words_token_ids
+                   and r.num_output_tokens + r.num_placeholders > p.min_tokens
                    for r in requests for p in (r.sampling_params,))
 
     @torch.inference_mode()
@@ -249,9 +251,12 @@ class Sampler:
         filtered_rows = [j for j, i in enumerate(random_rows) if params[i].top_k > 0 or params[i].top_p < 1.0]
         penalised = [requests[i] for i in penalty_rows]
         penalised_tokens = [self._state(r).all_token_ids(r) for r in penalised]
-        # min_tokens bans EOS and stop tokens; ids outside the vocabulary could never be sampled anyway.
+        # min_tokens bans EOS and stop tokens, bad words their last tokens; ids outside the vocabulary could never
+        # be sampled anyway.
         banned = [(i, t) for i in min_tokens_rows
                   for t in (*requests[i].eos_token_ids, *params[i].stop_token_ids) if t < vocab]
+        banned += [(i, t) for i, r in enumerate(requests) if r.bad_words_token_ids for t in r.banned_token_ids
+                   if t < vocab]
         (random_idx, filtered_idx, penalty_idx, logprob_idx, ban_rows, ban_tokens, bias_rows, bias_tokens,
          allowed_rows, allowed_tokens, penalty_tokens, penalty_num_tokens, penalty_num_prompt) = self.upload_ints(
             random_rows, filtered_rows, penalty_rows, logprob_rows, [i for i, _ in banned], [t for _, t in banned],

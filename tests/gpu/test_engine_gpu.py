@@ -176,6 +176,23 @@ def test_allowed_token_ids_leave_the_graphs_argmax_paths(hf_model_dir):
 
 
 @torch.inference_mode()
+def test_bad_words_leave_the_graphs_argmax_paths(hf_model_dir, monkeypatch):
+    """Greedy decode steps with bad words take the sampler's bans, not the graph's argmax or the screened head: at
+    batch 1 and batch 5, in bf16 graphs, the first tokens of a plain greedy run never come once banned. The random
+    model has no tokenizer, so the words' token ids are given directly."""
+    from pagedllm import LLM, SamplingParams
+    path, model = hf_model_dir
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=2048, max_model_len=4096, max_num_seqs=8)
+    batch = prompts(model.config.vocab_size)
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    banned = set(llm.generate(batch[:1], plain, use_tqdm=False)[0].outputs[0].token_ids[:3])
+    monkeypatch.setattr(llm.engine, "bad_words_token_ids", lambda words: tuple((t,) for t in sorted(banned)))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=["unused"])
+    outs = [*llm.generate(batch[:1], params, use_tqdm=False), *llm.generate(batch, params, use_tqdm=False)]
+    assert all(not banned & set(o.outputs[0].token_ids) and len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+
+
+@torch.inference_mode()
 def test_cuda_backend_greedy_equals_triton(hf_model_dir):
     """Same decode math in another kernel; in bf16 only the summation order differs, so the two runs agree
     token for token until, possibly, a near-tie: where they first differ, both choices must be within 2% of

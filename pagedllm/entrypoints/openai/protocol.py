@@ -92,6 +92,7 @@ class _SamplingRequest(Strict):
     allowed_token_ids: list[Int] | None = None
     # only the prompt's last k tokens (-1: max_model_len); SamplingParams refuses 0
     truncate_prompt_tokens: Int | None = Field(None, ge=-1)
+    bad_words: list[str] | None = None
     # Structured output (OpenAI's response_format, vLLM's guided decoding) is not implemented: a request for it is
     # refused rather than answered with unconstrained text.
     response_format: dict[str, Any] | None = None
@@ -152,7 +153,7 @@ class _SamplingRequest(Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
-            truncate_prompt_tokens=self.truncate_prompt_tokens, **chosen)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, bad_words=self.bad_words, **chosen)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
