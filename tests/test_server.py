@@ -467,6 +467,24 @@ def test_chat_template_options_shape_the_prompt(server, client, llm):
     assert out.usage.prompt_tokens == len(tok("Name three colors.|Red, green and|hey|get_weather").input_ids)
 
 
+def test_chat_echo_returns_the_continued_turn(client):
+    """vLLM's chat echo: continuing an assistant turn (continue_final_message), the reply starts with that turn's
+    text, streamed or not; where the last message is the user's, there is nothing to echo."""
+    answer = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    options = dict(model=MODEL, max_tokens=6, temperature=0)
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(messages=answer, extra_body=cont, **options).choices[0].message.content
+    echoed = client.chat.completions.create(messages=answer, extra_body={**cont, "echo": True},
+                                            **options).choices[0].message.content
+    assert echoed == "Red, green and" + plain and plain
+    chunks = list(client.chat.completions.create(messages=answer, stream=True, extra_body={**cont, "echo": True},
+                                                 **options))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    user_last = client.chat.completions.create(messages=CHAT, extra_body={"echo": True}, **options)
+    assert user_last.choices[0].message.content == client.chat.completions.create(
+        messages=CHAT, **options).choices[0].message.content
+
+
 def test_the_servers_own_template_version_and_cors(tiny_server):
     """--chat-template replaces the tokenizer's; /version answers; CORS lets the configured origin in."""
     status, body = post(tiny_server, "/tokenize", {"messages": CHAT})

@@ -254,10 +254,13 @@ class ChatMessage(Strict):
                 raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
         return content
 
-    def as_template_input(self) -> dict[str, Any]:
+    @property
+    def text(self) -> str:
         # Text parts are joined with newlines, as vLLM joins them.
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
-        message = {"role": self.role, "content": content}
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
+
+    def as_template_input(self) -> dict[str, Any]:
+        message = {"role": self.role, "content": self.text}
         # Templates that render tool calls and their results or speaker names read these keys.
         message.update((k, v) for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id),
                                            ("tool_calls", self.tool_calls)) if v is not None)
@@ -282,6 +285,9 @@ class ChatTemplateFields(Strict):
 class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tool_choice: str | dict[str, Any] | None = None
+    # vLLM's: the reply starts with the last message's text where that message has the reply's role (with
+    # continue_final_message, the assistant turn being continued comes back whole)
+    echo: bool = False
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -311,6 +317,14 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def echoed(self) -> str:
+        """What echo puts in front of each reply: as vLLM, the reply's role is the assistant's where a generation
+        prompt opens its turn, else the last message's."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return last.text if self.echo and last.role == role else ""
 
 
 class TopLogprob(BaseModel):

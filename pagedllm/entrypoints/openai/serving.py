@@ -252,14 +252,17 @@ class OpenAIServing:
             return ChatCompletionChunk(id=gen.request_id, created=gen.created, model=self.model_name,
                                        choices=choices, usage=usage)
 
+        echoed = req.echoed
         if req.stream:
-            head = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                          for i in range(req.n)])
-            return self._sse(gen, [head], lambda d: chunk([ChatStreamChoice(
+            head = [chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                           for i in range(req.n)])]
+            if echoed:
+                head += [chunk([ChatStreamChoice(index=i, delta=ChatDelta(content=echoed))]) for i in range(req.n)]
+            return self._sse(gen, head, lambda d: chunk([ChatStreamChoice(
                 index=d.index, delta=ChatDelta(content=d.text), logprobs=self._chat_logprobs(d, gen),
                 finish_reason=d.finish_reason, stop_reason=d.stop_reason)]),
                 lambda: chunk([], gen.usage()) if req.include_usage else None, req.continuous_usage)
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content="")) for i in range(req.n)]
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=echoed)) for i in range(req.n)]
         async for d in gen.deltas():
             total = choices[d.index]
             total.message.content += d.text
