@@ -52,16 +52,18 @@ class StepLog:
 
         self.scheduler.schedule = logged
 
-    def close(self, end: float) -> None:
+    def close(self, start: float, end: float) -> None:
+        """The run's start and end: the first step's interval starts with the run (taking in the requests' intake,
+        which on a short run was 10 ms of 65), the last one ends with it."""
         del self.scheduler.schedule  # back to the class's method
-        self.end = end
+        self.start, self.end = start, end
 
     def breakdown(self, cost, rates) -> list[dict]:
         """Wall time against the roofline per kind of step: steps with prefill tokens, then decode-only steps
         by batch size."""
         rows: dict[str, dict] = {}
-        ends = [t for t, *_ in self.steps[1:]] + [self.end]
-        for (start, decodes, kv, chunks), end in zip(self.steps, ends):
+        starts = [self.start] + [t for t, *_ in self.steps[1:]]
+        for (_, decodes, kv, chunks), start, end in zip(self.steps, starts, starts[1:] + [self.end]):
             if chunks:
                 kind = "with prefill"
                 # A chunk's FLOPs: the prompt's up to its end minus those up to its start.
@@ -94,7 +96,7 @@ def run_ours(llm, prompts: list[list[int]], output_lens: list[int], use_tqdm: bo
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     synchronize(device)
     elapsed = time.perf_counter() - t0
-    log.close(t0 + elapsed)
+    log.close(t0, t0 + elapsed)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"elapsed_s": elapsed, "num_requests": len(prompts), "input_tokens": sum(map(len, prompts)),
             "cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs), "output_tokens": generated,
