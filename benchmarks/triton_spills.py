@@ -138,8 +138,8 @@ def _greedy_screen():
 
 
 def _greedy_pick():
-    types = dict(x="*bf16", w_desc=_desc(greedy_head.HEAD_TILE, 128), hi="*fp32", top="*fp32", values="*fp32",
-                 indices="*i64", margin="fp32", tiny="fp32", cap="fp32")
+    types = dict(x="*bf16", w_desc=_desc(greedy_head.HEAD_TILE, 128), hi="*fp32", top="*fp32", keys="*i64",
+                 margin="fp32", tiny="fp32", cap="fp32")
     consts = dict(K=1024, BM=16, BN=greedy_head.HEAD_TILE, BK=128, STAGES=4, TILES=greedy_head.PICK_TILES,
                   SLOTS=greedy_head.TOP_SLOTS, PDL=True)
     return greedy_head._pick_kernel, types, consts, dict(num_warps=4, num_stages=3, enable_fp_fusion=False)

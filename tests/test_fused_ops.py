@@ -329,6 +329,18 @@ def test_argmax_takes_the_first_of_equal_maxima(dtype, rows, vocab):
         _fused().argmax(x, out[:rows], ring)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_orders_negative_values_and_signed_zeros(dtype):
+    """The chunks' (value, index) keys keep the floats' order below zero, and -0.0 ties with 0.0 (the first
+    wins), in one chunk and across two."""
+    x = torch.full((4, 9000), -3.0, dtype=dtype)
+    x[0, 5], x[0, 8500] = -1.5, -1.25  # all negative: the larger one, in the second chunk
+    x[1, 7], x[1, 8200] = -0.0, 0.0  # a tie across the chunks, -0.0 first
+    x[2, 8201], x[2, 8300] = 0.0, -0.0  # a tie inside one chunk, 0.0 first
+    x[3, 2], x[3, 3] = -2.0, -2.5
+    assert _fused().argmax(x).tolist() == [8500, 7, 8201, 2] == x.argmax(dim=-1).tolist()
+
+
 def test_cpu_tensors_never_import_triton():
     code = ("import sys, torch\n"
             "from pagedllm.layers.norm import RMSNorm, fused_kernels, set_fused\n"

@@ -257,30 +257,37 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 @triton.jit
-def _argmax_chunk_kernel(x, values, indices, N, stride_x, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def argmax_key(value, index):
+    """int64 keys ordered as (value, -index), for float32 values that are not NaN: the largest key over a row's
+    chunks is the first index of its largest value, so that the argmax of the chunks reads one array, one load
+    instead of a load and then a second one at the winner's index. -0.0 is keyed as 0.0 (they compare equal)."""
+    bits = tl.where(value == 0.0, 0.0, value).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the floats' order, as signed integers
+    return (ordered.to(tl.int64) << 32) | (tl.full([], 0xFFFFFFFF, tl.int64) - index)
+
+
+@triton.jit
+def _argmax_chunk_kernel(x, keys, N, stride_x, CHUNK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     v = tl.load(x + row * stride_x + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
     best = tl.argmax(v, axis=0, tie_break_left=True)
-    out = row * tl.num_programs(1) + chunk
-    tl.store(values + out, tl.max(v, axis=0))
-    tl.store(indices + out, chunk * CHUNK + best)
+    tl.store(keys + row * tl.num_programs(1) + chunk, argmax_key(tl.max(v, axis=0), chunk * CHUNK + best))
 
 
 @triton.jit
-def _argmax_rows_kernel(values, indices, out, num_chunks, host, host_slot, stride_host, reset, BLOCK: tl.constexpr,
+def _argmax_rows_kernel(keys, out, num_chunks, host, host_slot, stride_host, reset, BLOCK: tl.constexpr,
                         HOST: tl.constexpr, RESET: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     if RESET:  # once the kernel before, which read them, has completed
         tl.store(reset + tl.arange(0, RESET), float("-inf"))
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
-    v = tl.load(values + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
-    # Chunks are in column order, so the first chunk holding the maximum holds its first occurrence.
-    best = tl.argmax(v, axis=0, tie_break_left=True)
-    token = tl.load(indices + row * num_chunks + best)
+    key = tl.max(tl.load(keys + row * num_chunks + c, mask=c < num_chunks, other=-2 ** 63), axis=0)
+    low = tl.full([], 0xFFFFFFFF, tl.int64)
+    token = low - (key & low)
     tl.store(out + row, token)
     if HOST:
         tl.store(host + tl.load(host_slot) * stride_host + row, token)
@@ -301,28 +308,26 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None, host: torch.Tensor 
     if x.stride(1) != 1:
         raise ValueError("argmax needs rows with unit stride")
     num_chunks = triton.cdiv(n, ARGMAX_CHUNK)
-    values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
-    indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
-    _argmax_chunk_kernel[(rows, num_chunks)](x, values, indices, n, x.stride(0), CHUNK=ARGMAX_CHUNK,
-                                            num_warps=8, **pdl.options(x))
-    return argmax_of_chunks(values, indices, out, host, host_slot)
+    keys = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
+    _argmax_chunk_kernel[(rows, num_chunks)](x, keys, n, x.stride(0), CHUNK=ARGMAX_CHUNK, num_warps=8,
+                                            **pdl.options(x))
+    return argmax_of_chunks(keys, out, host, host_slot)
 
 
-def argmax_of_chunks(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None,
-                     host: torch.Tensor | None = None, host_slot: torch.Tensor | None = None,
-                     reset: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's token from the largest and first index of each of its chunks (float32 / int64 [rows,
-    chunks], in column order), into out and host as argmax writes them. reset (float32 [a power of two]): set
-    to -inf, for the kernels before that raise it by atomics (greedy_head)."""
-    rows, num_chunks = values.shape
+def argmax_of_chunks(keys: torch.Tensor, out: torch.Tensor | None = None, host: torch.Tensor | None = None,
+                     host_slot: torch.Tensor | None = None, reset: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's token from its chunks' argmax_keys (int64 [rows, chunks]), into out and host as argmax writes
+    them. reset (float32 [a power of two]): set to -inf, for the kernels before that raise it by atomics
+    (greedy_head)."""
+    rows, num_chunks = keys.shape
     if (host is None) != (host_slot is None) or host is not None and (
             host.dim() != 2 or host.shape[1] < rows or host.stride(1) != 1 or host.dtype != torch.int64):
         raise ValueError("argmax: host must be int64 [slots, >= rows] with unit-stride rows, given with host_slot")
     if out is None:
-        out = torch.empty(rows, dtype=torch.int64, device=values.device)
-    _argmax_rows_kernel[(rows,)](values, indices, out, num_chunks, out if host is None else host,
+        out = torch.empty(rows, dtype=torch.int64, device=keys.device)
+    _argmax_rows_kernel[(rows,)](keys, out, num_chunks, out if host is None else host,
                                  out if host_slot is None else host_slot, 0 if host is None else host.stride(0),
-                                 values if reset is None else reset, BLOCK=_host.pow2_at_least(num_chunks),
+                                 keys if reset is None else reset, BLOCK=_host.pow2_at_least(num_chunks),
                                  HOST=host is not None, RESET=0 if reset is None else reset.numel(), num_warps=1,
-                                 **pdl.options(values))
+                                 **pdl.options(keys))
     return out

@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .fused import argmax_of_chunks
+from .fused import argmax_key, argmax_of_chunks
 from .linear import head_supported, tile_sums
 
 SCREEN_ROWS = 8  # head rows a screening program
@@ -162,7 +162,7 @@ def _screen_kernel(x, codes, scale, bound, hi, top, V, gamma, K: tl.constexpr, C
 
 
 @triton.jit
-def _pick_kernel(x, w_desc, hi, top, values, indices, V, margin, tiny, cap, K: tl.constexpr, BM: tl.constexpr,
+def _pick_kernel(x, w_desc, hi, top, keys, V, margin, tiny, cap, K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, TILES: tl.constexpr, SLOTS: tl.constexpr,
                  PDL: tl.constexpr):
     pdl.start(PDL)
@@ -188,8 +188,7 @@ def _pick_kernel(x, w_desc, hi, top, values, indices, V, margin, tiny, cap, K: t
         if largest > best:
             best = largest
             best_n = n0 + tl.argmax(logits, axis=0, tie_break_left=True)
-    tl.store(values + part, best)
-    tl.store(indices + part, best_n.to(tl.int64))
+    tl.store(keys + part, argmax_key(best, best_n))
 
 
 def fixed_point(k: int) -> dict[str, int]:
@@ -282,11 +281,10 @@ class ScreenedHead:
         v, k = self.weight.shape
         hi = self._screen(x)
         parts = triton.cdiv(v, PICK_TILES * HEAD_TILE)
-        values = torch.empty(1, parts, dtype=torch.float32, device=x.device)
-        indices = torch.empty(1, parts, dtype=torch.int64, device=x.device)
+        keys = torch.empty(1, parts, dtype=torch.int64, device=x.device)
         w_desc = TensorDescriptor(self.weight, [v, k], [self.weight.stride(0), 1], [HEAD_TILE, 128])
-        _pick_kernel[(parts,)](x, w_desc, hi, self.top, values, indices, v, *threshold_terms(x.dtype), K=k, BM=16,
+        _pick_kernel[(parts,)](x, w_desc, hi, self.top, keys, v, *threshold_terms(x.dtype), K=k, BM=16,
                                BN=HEAD_TILE, BK=128, STAGES=4, TILES=PICK_TILES, SLOTS=TOP_SLOTS, num_warps=4,
                                enable_fp_fusion=False, **pdl.options(x))  # head_linear's tiles
-        return argmax_of_chunks(values, indices, out, host, host_slot, reset=self.top)
+        return argmax_of_chunks(keys, out, host, host_slot, reset=self.top)
 
