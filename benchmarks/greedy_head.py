@@ -3,10 +3,10 @@ time of each in a CUDA graph (triton.testing.do_bench_cudagraph), the screen ker
 head tiles the pick kernel recomputed, and whether the tokens agree, for Qwen3-0.6B's and Llama 3 8B's heads
 (random weights as load_format="dummy" draws them, N(0, 0.02), bf16) for one row: random inputs, and the final
 hidden states of a random-weight Qwen3-0.6B decoding greedily.
---configs sweeps the screen's rows and warps a program and the pick's tiles a program (ROWSxWARPSxTILES:
-greedy_head's SCREEN_ROWS, SCREEN_WARPS, PICK_TILES).
+--configs sweeps the screen's rows and warps a program and the pick's tiles a program and weight tiles in flight
+(ROWSxWARPSxTILESxSTAGES for both heads, as greedy_head.HEAD_CONFIGS holds them; the default is each head's own).
 
-    python benchmarks/greedy_head.py [--configs 8x2x4 16x4x1 ...] [--trials 20] [--engine-steps 50]
+    python benchmarks/greedy_head.py [--configs 8x2x4x4 16x4x1x8 ...] [--trials 20] [--engine-steps 50]
 """
 import argparse
 
@@ -16,14 +16,12 @@ from triton.testing import do_bench_cudagraph
 from pagedllm.ops.triton import fused, greedy_head
 
 HEADS = {"qwen3-0.6b": (151936, 1024), "llama3-8b": (128256, 4096)}
+DEFAULT = greedy_head.HEAD_CONFIGS
 
 
-def _config(*values):
-    """The kernels' launch config (SCREEN_ROWS, SCREEN_WARPS, PICK_TILES), set to values where given."""
-    names = ("SCREEN_ROWS", "SCREEN_WARPS", "PICK_TILES")
-    for name, value in zip(names, values):
-        setattr(greedy_head, name, value)
-    return tuple(getattr(greedy_head, name) for name in names)
+def _config(config=None):
+    """Sets the kernels' launch config: greedy_head's own (None), or ROWSxWARPSxTILESxSTAGES for every K."""
+    greedy_head.HEAD_CONFIGS = DEFAULT if config is None else ((0, *map(int, config.split("x"))),)
 
 
 def _passed_tiles(screen, x):
@@ -59,12 +57,11 @@ def _tokens(weight: torch.Tensor, screen, xs: torch.Tensor) -> str:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", nargs="*", default=["x".join(map(str, _config()))])
+    ap.add_argument("--configs", nargs="*", default=[None])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=50, help="also the hidden states of this many decode steps")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
-    default = _config()
     for name, (vocab, hidden) in HEADS.items():
         gen = torch.Generator(device="cuda").manual_seed(0)
         weight = (0.02 * torch.randn(vocab, hidden, generator=gen, device="cuda")).to(torch.bfloat16)
@@ -76,13 +73,13 @@ def main():
         print(f"{name}: head_linear + argmax {full:.1f} us ({vocab * hidden * 2 / full / 1e6:.2f} TB/s); random "
               f"inputs: {_tokens(weight, screen, xs)}", flush=True)
         for config in args.configs:
-            _config(*map(int, config.split("x")))
+            _config(config)
             both = do_bench_cudagraph(lambda: screen.greedy(x)) * 1e3
             alone = do_bench_cudagraph(lambda: screen._screen(x)) * 1e3
             screen.top.fill_(float("-inf"))  # which the screen alone leaves raised
-            print(f"  {config}: greedy {both:.1f} us ({full / both:.2f}x), screen alone {alone:.1f} us "
+            print(f"  {config or 'default'}: greedy {both:.1f} us ({full / both:.2f}x), screen alone {alone:.1f} us "
                   f"({screen_bytes / alone / 1e6:.2f} TB/s)", flush=True)
-        _config(*default)
+        _config()
     if args.engine_steps:
         weight, xs = _engine_hidden_states(args.engine_steps)
         screen = greedy_head.ScreenedHead(weight)

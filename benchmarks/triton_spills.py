@@ -132,15 +132,17 @@ def _rms_norm():
 def _greedy_screen():
     """The screened greedy head's screen (greedy_head) on Qwen3-0.6B's 151936 x 1024 head."""
     types = dict(x="*bf16", codes="*i64", scale="*fp32", bound="*fp32", hi="*fp32", top="*fp32", gamma="fp32")
-    consts = dict(K=1024, COLS_PAD=128, BN=greedy_head.SCREEN_ROWS, SLOTS=greedy_head.TOP_SLOTS, INTERPRET=False,
+    rows, warps, _, _ = greedy_head.head_config(1024)
+    consts = dict(K=1024, COLS_PAD=128, BN=rows, SLOTS=greedy_head.TOP_SLOTS, INTERPRET=False,
                   **greedy_head.fixed_point(1024))
-    return greedy_head._screen_kernel, types, consts, dict(num_warps=greedy_head.SCREEN_WARPS, num_stages=3)
+    return greedy_head._screen_kernel, types, consts, dict(num_warps=warps, num_stages=3)
 
 
 def _greedy_pick():
     types = dict(x="*bf16", w_desc=_desc(greedy_head.HEAD_TILE, 128), hi="*fp32", top="*fp32", keys="*i64",
                  margin="fp32", tiny="fp32", cap="fp32")
-    consts = dict(K=1024, BM=16, BN=greedy_head.HEAD_TILE, BK=128, STAGES=4, TILES=greedy_head.PICK_TILES,
+    _, _, tiles, stages = greedy_head.head_config(1024)
+    consts = dict(K=1024, BM=16, BN=greedy_head.HEAD_TILE, BK=128, STAGES=stages, TILES=tiles,
                   SLOTS=greedy_head.TOP_SLOTS, PDL=True)
     return greedy_head._pick_kernel, types, consts, dict(num_warps=4, num_stages=3, enable_fp_fusion=False)
 

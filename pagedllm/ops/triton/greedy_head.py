@@ -29,13 +29,14 @@ from x (2 KB, read from the L2). The earlier screen widened each code to float32
 an FMA, ~920 instructions a thread against ~600 (sm_90a SASS, 8 rows a program of 2 warps), and at the H100's 13
 bytes a cycle an SM those were most of the issue slots: on the H100 (benchmarks/greedy_head.py, forty-ninth
 session) the screen alone 55.9 -> 53.5 us on Qwen3-0.6B's head (2.82 -> 2.94 TB/s), 219 -> 194 us on Llama 3 8B's
-(2.41 -> 2.72 TB/s), and the engine's batch-1 step 1-2.5 us shorter. The screen is a GEMV on the CUDA cores, 8
-rows a program of 2 warps (16 x 4 read Llama 3 8B's head at 3.12 TB/s, 169 us, but was not tried in the engine;
-persistent programs streaming tiles through shared memory were no faster). Only steps of one sequence take it: at
-two rows the screen held twice the registers, fewer programs fit an SM, and it read at half the rate (108 us
-against head_linear's 105). It is launched plainly, after the final norm: as a dependent launch its programs
-requested their codes beside the last layer's down_proj and waited there, and the engine's batch-1 step was 3-4 us
-slower on the H100 (benchmarks/results/README.md, forty-fifth and forty-sixth sessions).
+(2.41 -> 2.72 TB/s), and the engine's batch-1 step 1-2.5 us shorter. The screen is a GEMV on the CUDA cores, a
+program's rows and warps set by K (HEAD_CONFIGS; persistent programs streaming tiles through shared memory were no
+faster). Only steps of one sequence take it: at two rows the screen held twice the registers, fewer programs fit an
+SM, and it read at half the rate (108 us against head_linear's 105). It is launched plainly, after the final norm: as
+a dependent launch its programs requested their codes beside the last layer's down_proj and waited there, and the
+engine's batch-1 step was 3-4 us slower on the H100 (benchmarks/results/README.md, forty-fifth and forty-sixth
+sessions). The pick's (value, index) per program is one int64 key (fused.argmax_key), so the argmax after it reads
+one array: one dependent load fewer at the step's end.
 """
 from __future__ import annotations
 
@@ -50,10 +51,16 @@ from . import pdl
 from .fused import argmax_key, argmax_of_chunks
 from .linear import head_supported, tile_sums
 
-SCREEN_ROWS = 8  # head rows a screening program
-SCREEN_WARPS = 2
 HEAD_TILE = 64  # head_linear's weight tile (rows), the unit the pick kernel recomputes
-PICK_TILES = 4  # head tiles a pick program checks
+# Launch configs by the head's columns K, the first that applies: (from K, a screening program's rows and warps, a
+# pick program's head tiles and its weight tiles in flight, BK = 128 columns each). The screen: 4 rows a warp, whose
+# codes then take 128 registers a thread at K = 4096 (8 at 4096 spilled); on the H100 (benchmarks/results/README.md,
+# forty-ninth session) Qwen3-0.6B's head (K = 1024) took 53.5 us at 8 x 2, 53.9 at 16 x 4, Llama 3 8B's (K = 4096)
+# 193.8 at 8 x 2 and 168.9 at 16 x 4 (3.12 TB/s). The pick (fiftieth session, greedy with the 8 x 2 screen):
+# Qwen3-0.6B 64.3 us at 4 tiles and 4 stages, 63.4 at 16 and 5 (5 stages, 100 KB of shared memory, keep two programs
+# an SM; one program's tiles are recomputed one after another, and Llama 3 8B's K widens the bound so that ~146 of its
+# 2004 tiles pass: 236.2 us at 16 and 5, 223.0 at 4 and 5, 225.7 at 4 and 4).
+HEAD_CONFIGS = ((4096, 16, 4, 4, 5), (0, 8, 2, 16, 5))
 # The screen's programs put their largest lower bound into one of this many slots by atomic max (spread, so that
 # the atomics do not queue on one address); the argmax kernel after the pick sets them back to -inf.
 TOP_SLOTS = 64
@@ -198,6 +205,11 @@ def fixed_point(k: int) -> dict[str, int]:
     return dict(XCAP=cap, LOG2_XCAP=cap.bit_length() - 1)
 
 
+def head_config(k: int) -> tuple[int, int, int, int]:
+    """(screen rows, screen warps, pick tiles, pick stages) for a head of k columns (HEAD_CONFIGS)."""
+    return next(config[1:] for config in HEAD_CONFIGS if k >= config[0])
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -258,9 +270,10 @@ class ScreenedHead:
         # Each logit head_linear or the screen sums is within 2 K 2^-24 ||W_v|| ||x|| of its exact value (float32
         # rounding of K products); twice that, and 2^-20 for the bound's own terms.
         gamma = 4 * k * 2.0 ** -24 + 2.0 ** -20
-        _screen_kernel[(triton.cdiv(v, SCREEN_ROWS),)](
+        rows, warps, _, _ = head_config(k)
+        _screen_kernel[(triton.cdiv(v, rows),)](
             x, self.codes, self.scale, self.bound, hi, self.top, v, gamma, K=k, COLS_PAD=triton.next_power_of_2(k // 8),
-            BN=SCREEN_ROWS, SLOTS=TOP_SLOTS, INTERPRET=_interpreted(), num_warps=SCREEN_WARPS, **fixed_point(k))
+            BN=rows, SLOTS=TOP_SLOTS, INTERPRET=_interpreted(), num_warps=warps, **fixed_point(k))
         return hi
 
     def bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -280,11 +293,12 @@ class ScreenedHead:
                              f"{self.weight.shape[1]} columns, its dtype, unit stride)")
         v, k = self.weight.shape
         hi = self._screen(x)
-        parts = triton.cdiv(v, PICK_TILES * HEAD_TILE)
+        _, _, tiles, stages = head_config(k)
+        parts = triton.cdiv(v, tiles * HEAD_TILE)
         keys = torch.empty(1, parts, dtype=torch.int64, device=x.device)
         w_desc = TensorDescriptor(self.weight, [v, k], [self.weight.stride(0), 1], [HEAD_TILE, 128])
         _pick_kernel[(parts,)](x, w_desc, hi, self.top, keys, v, *threshold_terms(x.dtype), K=k, BM=16,
-                               BN=HEAD_TILE, BK=128, STAGES=4, TILES=PICK_TILES, SLOTS=TOP_SLOTS, num_warps=4,
+                               BN=HEAD_TILE, BK=128, STAGES=stages, TILES=tiles, SLOTS=TOP_SLOTS, num_warps=4,
                                enable_fp_fusion=False, **pdl.options(x))  # head_linear's tiles
         return argmax_of_chunks(keys, out, host, host_slot, reset=self.top)
 
