@@ -133,7 +133,7 @@ def _greedy_screen():
     """The screened greedy head's screen (greedy_head) on Qwen3-0.6B's 151936 x 1024 head."""
     types = dict(x="*bf16", codes="*i64", scale="*fp32", bound="*fp32", hi="*fp32", top="*fp32", gamma="fp32")
     rows, warps, _, _ = greedy_head.head_config(1024)
-    consts = dict(K=1024, COLS_PAD=128, BN=rows, SLOTS=greedy_head.TOP_SLOTS, INTERPRET=False,
+    consts = dict(K=1024, COLS_PAD=128, BN=rows, SLOTS=greedy_head.TOP_SLOTS, INTERPRET=False, PDL=True,
                   **greedy_head.fixed_point(1024))
     return greedy_head._screen_kernel, types, consts, dict(num_warps=warps, num_stages=3)
 

@@ -32,11 +32,12 @@ session) the screen alone 55.9 -> 53.5 us on Qwen3-0.6B's head (2.82 -> 2.94 TB/
 (2.41 -> 2.72 TB/s), and the engine's batch-1 step 1-2.5 us shorter. The screen is a GEMV on the CUDA cores, a
 program's rows and warps set by K (HEAD_CONFIGS; persistent programs streaming tiles through shared memory were no
 faster). Only steps of one sequence take it: at two rows the screen held twice the registers, fewer programs fit an
-SM, and it read at half the rate (108 us against head_linear's 105). It is launched plainly, after the final norm: as
-a dependent launch its programs requested their codes beside the last layer's down_proj and waited there, and the
-engine's batch-1 step was 3-4 us slower on the H100 (benchmarks/results/README.md, forty-fifth and forty-sixth
-sessions). The pick's (value, index) per program is one int64 key (fused.argmax_key), so the argmax after it reads
-one array: one dependent load fewer at the step's end.
+SM, and it read at half the rate (108 us against head_linear's 105). It is a dependent launch of the final norm that
+waits before it loads anything, so that its first programs are resident when the norm ends: the engine's batch-1
+step 0.600 -> 0.598 ms on the H100 against a plain launch (fiftieth session). Programs that requested their codes
+before the wait, beside the last layer's down_proj, had made the step 3-4 us slower (forty-fifth and forty-sixth
+sessions, benchmarks/results/README.md). The pick's (value, index) per program is one int64 key
+(fused.argmax_key), so the argmax after it reads one array: one dependent load fewer at the step's end.
 """
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ def _fixed_pair(lo, hi, inv, unit):
 @triton.jit
 def _screen_kernel(x, codes, scale, bound, hi, top, V, gamma, K: tl.constexpr, COLS_PAD: tl.constexpr,
                    XCAP: tl.constexpr, LOG2_XCAP: tl.constexpr, BN: tl.constexpr, SLOTS: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)  # before any load: see the module's docstring
     tile = tl.program_id(0)
     n = tile * BN + tl.arange(0, BN)
     n_ok = n < V
@@ -273,7 +275,7 @@ class ScreenedHead:
         rows, warps, _, _ = head_config(k)
         _screen_kernel[(triton.cdiv(v, rows),)](
             x, self.codes, self.scale, self.bound, hi, self.top, v, gamma, K=k, COLS_PAD=triton.next_power_of_2(k // 8),
-            BN=rows, SLOTS=TOP_SLOTS, INTERPRET=_interpreted(), num_warps=warps, **fixed_point(k))
+            BN=rows, SLOTS=TOP_SLOTS, INTERPRET=_interpreted(), num_warps=warps, **fixed_point(k), **pdl.options(x))
         return hi
 
     def bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
