@@ -55,7 +55,7 @@ from .linear import head_supported, tile_sums
 HEAD_TILE = 64  # head_linear's weight tile (rows), the unit the pick kernel recomputes
 # Launch configs by the head's columns K, the first that applies: (from K, a screening program's rows and warps, a
 # pick program's head tiles and its weight tiles in flight, BK = 128 columns each). The screen: 4 rows a warp, whose
-# codes then take 128 registers a thread at K = 4096 (8 at 4096 spilled); on the H100 (benchmarks/results/README.md,
+# codes then take 128 registers a thread at K = 4096 (8 rows a warp spilled); on the H100 (benchmarks/results/README.md,
 # forty-ninth session) Qwen3-0.6B's head (K = 1024) took 53.5 us at 8 x 2, 53.9 at 16 x 4, Llama 3 8B's (K = 4096)
 # 193.8 at 8 x 2 and 168.9 at 16 x 4 (3.12 TB/s). The pick (fiftieth session, greedy with the 8 x 2 screen):
 # Qwen3-0.6B 64.3 us at 4 tiles and 4 stages, 63.4 at 16 and 5 (5 stages, 100 KB of shared memory, keep two programs
