@@ -1,11 +1,22 @@
 """Sampling parameters with vLLM's names and meanings, validated once at construction."""
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass
 
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what each of a request's outputs (LLMEngine.step) holds. CUMULATIVE: all of it so far, at every step
+    it advances. DELTA: only what is new since its last output, its completions only those that advanced (prompt
+    logprobs in its first). FINAL_ONLY: one output, once every sample has finished. Until a sample finishes, text
+    that may be the start of one of its stop strings is held back, in CUMULATIVE and DELTA alike."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -38,6 +49,7 @@ class SamplingParams:
     # vLLM's: words never generated. Each is tokenized as it is and after a space; where that takes several tokens,
     # the last is banned wherever the output ends with the others.
     bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +112,8 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise bad("bad_words", "must be a list of words (strings with something besides spaces)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k == 0 or k < -1):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for max_model_len")

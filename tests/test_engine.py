@@ -6,6 +6,8 @@ import torch
 
 from conftest import MODEL, long_text, smollm2_gguf_path
 from pagedllm import LLM, SamplingParams
+from pagedllm.outputs import CompletionOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -673,3 +675,54 @@ def test_one_output_per_request_when_a_waiting_step_follows_an_overlapped_one(ll
         lengths["plain"] += [len(o.outputs[0].token_ids) for o in outs if o.request_id == "plain"]
     assert lengths["plain"][-1] == 8 and lengths["plain"] == sorted(lengths["plain"])
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def _run(engine, requests):
+    """Adds (request id, prompt, params) and steps until all finished; the outputs of each request, in order."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    outputs = {rid: [] for rid, _, _ in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    return outputs
+
+
+def test_output_kinds_delta_and_final_only_add_up_to_cumulative(llm):
+    """vLLM's output kinds: DELTA outputs concatenate to the CUMULATIVE one, FINAL_ONLY is that one alone, and no
+    output shows text that a stop string spanning two tokens later cuts (it is held back until they decide)."""
+    engine, prompt = llm.engine, llm.get_tokenizer()("The capital of France is").input_ids
+    plain = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    texts = [o.outputs[0].text for o in _run(engine, [("probe", prompt, SamplingParams(**plain))])["probe"]]
+    # a stop string across the boundary of two tokens, two characters on each side, after 8 tokens
+    cut = next(len(t) for t in texts[8:] if len(t) > 2)
+    end = next(len(t) for t in texts if len(t) > cut + 1)
+    stop = texts[-1][cut - 2:cut + 2]
+    assert texts[-1].find(stop) == cut - 2 and end - cut >= 2
+    kinds = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+    params = dict(plain, n=2, stop=[stop], logprobs=1, prompt_logprobs=1)
+    runs = _run(engine, [(k.name, prompt, SamplingParams(**params, output_kind=k)) for k in kinds])
+    cumulative, delta, final = runs["CUMULATIVE"], runs["DELTA"], runs["FINAL_ONLY"]
+    last = cumulative[-1]
+    assert last.finished and [c.text for c in last.outputs] == [texts[-1][:cut - 2]] * 2
+    for out in cumulative:  # never a text that a later output takes back
+        assert all(last.outputs[c.index].text.startswith(c.text) for c in out.outputs)
+    def same(a, b):  # the requests' logprobs differ by their rows' float rounding in the batch
+        return ((a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
+                                                                           b.stop_reason)
+                and [list(e) for e in a.logprobs] == [list(e) for e in b.logprobs]
+                and [e[t].logprob for e, t in zip(a.logprobs, a.token_ids)]
+                == pytest.approx([e[t].logprob for e, t in zip(b.logprobs, b.token_ids)], abs=1e-4))
+
+    assert len(final) == 1 and final[0].finished and all(map(same, final[0].outputs, last.outputs))
+    assert len(delta[0].prompt_logprobs) == len(prompt) and all(d.prompt_logprobs is None for d in delta[1:])
+    assert delta[-1].finished and not any(d.finished for d in delta[:-1])
+    for i in range(2):
+        parts = [c for d in delta for c in d.outputs if c.index == i]
+        assert all(c.token_ids for c in parts) and [c.finish_reason for c in parts][-1] == "stop"
+        joined = CompletionOutput(i, "".join(c.text for c in parts), sum((c.token_ids for c in parts), []),
+                                  parts[-1].finish_reason, parts[-1].stop_reason, sum((c.logprobs for c in parts), []))
+        assert same(joined, last.outputs[i])
+    assert engine.kv_cache_manager.usage == 0.0
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")

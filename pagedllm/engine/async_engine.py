@@ -31,7 +31,8 @@ class EngineDead(RuntimeError):
 class OutputStream:
     """Outputs of the engine requests behind one API call (one per prompt), in the order they were produced.
 
-    Each item is the request's cumulative RequestOutput; iteration ends once all its requests finished.
+    Each item is one of the request's RequestOutputs (of its SamplingParams.output_kind); iteration ends once all
+    its requests finished.
     """
 
     def __init__(self, engine: "AsyncLLMEngine") -> None:

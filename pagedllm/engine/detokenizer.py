@@ -1,7 +1,8 @@
 """Incremental detokenization and stop-string matching for one sample.
 
 Decoding only a short window of ids per step keeps the cost per token constant. Text that ends in an
-incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
+incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it, and outputs hold back text that
+may be the start of a stop string (visible_text) until the next tokens decide.
 """
 from __future__ import annotations
 
@@ -51,3 +52,16 @@ class IncrementalDetokenizer:
         idx, s = min(hits)
         self.text = self.text[:idx + len(s)] if self.include_stop else self.text[:idx]
         return s
+
+    def visible_text(self, finished: bool) -> str:
+        """The text an output shows: all of it once the sample has finished, else without its longest end that is
+        a proper prefix of a stop string (which the next tokens may complete, and the stop then cut)."""
+        if finished:
+            return self.text
+        held = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), held, -1):
+                if self.text.endswith(s[:k]):
+                    held = k
+                    break
+        return self.text[:len(self.text) - held]

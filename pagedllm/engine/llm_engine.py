@@ -5,7 +5,7 @@ import gc
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +18,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.sampler import PromptLogprobs, SamplerOutput
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -30,6 +30,12 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer | None]
+    # per sample, the tokens and characters of text its outputs have shown (RequestOutputKind.DELTA)
+    sent_tokens: list[int] = field(init=False)
+    sent_chars: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sent_tokens, self.sent_chars = [0] * len(self.children), [0] * len(self.children)
 
     @property
     def finished(self) -> bool:
@@ -219,8 +225,8 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Runs one step; returns the current output of every user request that advanced in it, or with
-        final_only (vLLM's FINAL_ONLY output kind, what LLM.generate needs) of those that finished.
+        """Runs one step; returns an output of every user request that advanced in it, as its
+        SamplingParams.output_kind says (final_only: FINAL_ONLY for every request, what LLM.generate needs).
 
         With async_scheduling the step is scheduled and queued on the device before the previous step's
         tokens are read back, and the outputs returned are the previous step's: the host schedules while
@@ -232,18 +238,22 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             current = _Step(sched, *self.runner.execute(sched, self.kv_cache_manager.get_blocks))
             overlaps = self._overlaps(current.sampling)
-            outputs = self._process(previous, final_only) if previous is not None else []
+            advanced = self._process(previous) if previous is not None else {}
             if overlaps:
                 self._in_flight = current
             else:
-                outputs += self._process(current, final_only)
+                advanced.update(self._process(current))
         except BaseException:
             self._drop_failed_step(previous, sched)
             raise
-        # One output per request per call, as callers expect: when two steps are read back in one call (an
-        # overlapped step, then one that had to wait), the later output replaces the earlier (outputs are
-        # cumulative).
-        return list({o.request_id: o for o in outputs}.values())
+        # One output per request per call, as callers expect, also where two steps were read back in it (an
+        # overlapped step, then one that had to wait).
+        outputs = []
+        for parent in advanced.values():
+            kind = RequestOutputKind.FINAL_ONLY if final_only else parent.children[0].sampling_params.output_kind
+            if kind != RequestOutputKind.FINAL_ONLY or parent.finished:
+                outputs.append(self._output(parent, kind))
+        return outputs
 
     def _drop_failed_step(self, previous: _Step | None, sched: SchedulerOutput | None) -> None:
         """After a step raised (a bad input, out of memory, Ctrl-C): its requests are aborted, as their tokens and
@@ -262,8 +272,9 @@ class LLMEngine:
     def _overlaps(self, sampling: list[Request]) -> bool:
         return self.config.async_scheduling and not any(r.samples_after_its_tokens for r in sampling)
 
-    def _process(self, step: _Step, final_only: bool) -> list[RequestOutput]:
-        """Reads a step's tokens back (waiting for the device) and turns them into outputs."""
+    def _process(self, step: _Step) -> dict[str, _Parent]:
+        """Reads a step's tokens back (waiting for the device) into its requests; returns the user requests that
+        advanced, by id (those that finished are no longer the engine's)."""
         sampled, logprobs = {}, {}
         if step.out is not None:
             ids = [req.request_id for req in step.sampling]
@@ -297,32 +308,37 @@ class LLMEngine:
                         req.status = RequestStatus.FINISHED_STOPPED
                     else:
                         self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        outputs = []
         for parent in touched.values():
-            finished = parent.finished
-            if finished or not final_only:
-                outputs.append(self._output(parent, finished))
-            if finished:
+            if parent.finished:
                 del self.parents[parent.request_id]
                 for c in parent.children:
                     del self.child_to_parent[c.request_id]
-        return outputs
+        return touched
 
     def _name_tokens(self, entry: dict[int, Logprob]) -> None:
         for tok, lp in entry.items():
             lp.decoded_token = self.token_text(tok)
 
-    def _output(self, parent: _Parent, finished: bool) -> RequestOutput:
-        completions = [
-            CompletionOutput(index=req.index, text=detok.text if detok else "",
-                             token_ids=list(req.output_token_ids), finish_reason=req.status.finish_reason,
-                             stop_reason=req.stop_reason, logprobs=req.logprobs,
-                             cumulative_logprob=None if req.logprobs is None else req.cumulative_logprob)
-            for req, detok in zip(parent.children, parent.detokenizers)]
+    def _output(self, parent: _Parent, kind: RequestOutputKind) -> RequestOutput:
+        delta = kind == RequestOutputKind.DELTA
+        first_output = not any(parent.sent_tokens)
+        completions = []
+        for i, (req, detok) in enumerate(zip(parent.children, parent.detokenizers)):
+            tokens, start = req.output_token_ids, parent.sent_tokens[i] if delta else 0
+            if delta and start == len(tokens):
+                continue  # a sample that did not advance since the last output
+            text = "" if detok is None else detok.visible_text(req.is_finished)
+            chars = parent.sent_chars[i] if delta else 0
+            parent.sent_tokens[i], parent.sent_chars[i] = len(tokens), len(text)
+            completions.append(CompletionOutput(
+                index=req.index, text=text[chars:], token_ids=list(tokens[start:]),
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                logprobs=req.logprobs[start:] if delta and req.logprobs is not None else req.logprobs,
+                cumulative_logprob=None if req.logprobs is None else req.cumulative_logprob))
         first = parent.children[0]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
-                             finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             prompt_logprobs=first.prompt_logprobs)
+                             finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
+                             prompt_logprobs=first.prompt_logprobs if first_output or not delta else None)
 
     # ---- stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -153,7 +153,8 @@ class _SamplingRequest(Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
-            truncate_prompt_tokens=self.truncate_prompt_tokens, bad_words=self.bad_words, **chosen)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, bad_words=self.bad_words,
+            output_kind=RequestOutputKind.DELTA, **chosen)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:

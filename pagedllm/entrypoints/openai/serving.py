@@ -1,8 +1,9 @@
 """The generation endpoints: /v1/completions and /v1/chat/completions on top of AsyncLLMEngine.
 
-Both run the same way: prompts become engine requests feeding one OutputStream, its cumulative outputs turn
-into per-choice deltas (_Generation.deltas), and the deltas are formatted as SSE chunks or gathered into one
-response. Non-streaming responses are the concatenation of the deltas, so both paths return the same text.
+Both run the same way: prompts become engine requests feeding one OutputStream, whose outputs (of kind DELTA:
+what is new since the last) become per-choice deltas (_Generation.deltas), and the deltas are formatted as SSE
+chunks or gathered into one response. Non-streaming responses are the concatenation of the deltas, so both paths
+return the same text.
 """
 from __future__ import annotations
 
@@ -57,35 +58,18 @@ class Delta:
 
 @dataclass
 class _Choice:
-    sent_chars: int = 0
     num_tokens: int = 0
     finished: bool = False
 
-    def advance(self, index: int, out: CompletionOutput, stop: list[str],
-                prompt_logprobs: list[dict[int, Logprob] | None] | None) -> Delta | None:
-        if self.finished or (len(out.token_ids) == self.num_tokens and out.finish_reason is None):
-            return None
+    def advance(self, index: int, out: CompletionOutput,
+                prompt_logprobs: list[dict[int, Logprob] | None] | None) -> Delta:
+        """out: the choice's engine output of kind DELTA (what is new, text that may begin a stop string held
+        back)."""
         self.finished = out.finish_reason is not None
-        end = len(out.text)
-        if not self.finished:
-            # Text that could be the start of a stop string stays back until the next tokens decide.
-            end -= _stop_prefix_len(out.text, stop)
-        logprobs = out.logprobs[self.num_tokens:len(out.token_ids)] if out.logprobs is not None else None
-        delta = Delta(index, out.text[self.sent_chars:end], out.token_ids[self.num_tokens:], logprobs,
-                      out.finish_reason, out.stop_reason, prompt_logprobs if self.num_tokens == 0 else None)
-        self.sent_chars, self.num_tokens = end, len(out.token_ids)
+        delta = Delta(index, out.text, out.token_ids, out.logprobs, out.finish_reason, out.stop_reason,
+                      prompt_logprobs if self.num_tokens == 0 else None)
+        self.num_tokens += len(out.token_ids)
         return delta
-
-
-def _stop_prefix_len(text: str, stop: list[str]) -> int:
-    """Length of the longest end of text that is a proper prefix of some stop string."""
-    best = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 @dataclass
@@ -135,11 +119,13 @@ class _Generation:
         max_len = self.engine.config.max_model_len
         last_token_time = [None] * len(self.prompts)
         num_tokens = [0] * len(self.prompts)
+        prompt_logprobs = [None] * len(self.prompts)  # each prompt's, in its first output only
         try:
             async for out in self.stream:
                 now = time.perf_counter()
                 p = self.prompt_index[out.request_id]
-                generated = max(len(c.token_ids) for c in out.outputs)
+                choices = self.choices[p * n:(p + 1) * n]
+                generated = max(choices[c.index].num_tokens + len(c.token_ids) for c in out.outputs)
                 if generated > num_tokens[p]:
                     if last_token_time[p] is None:
                         self.metrics.time_to_first_token.observe(now - self.start)
@@ -149,15 +135,15 @@ class _Generation:
                     last_token_time[p], num_tokens[p] = now, generated
                 if out.finished:  # all n samples, as vLLM observes n once its child requests all finished
                     self.metrics.request_params_n.observe(n)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[p] = out.prompt_logprobs
                 prompt_len = len(self.prompts[p][1])
                 for c in out.outputs:
-                    delta = self.choices[p * n + c.index].advance(p * n + c.index, c, self.params.stop,
-                                                                  out.prompt_logprobs)
-                    if delta is None:
-                        continue
+                    choice = choices[c.index]
+                    delta = choice.advance(p * n + c.index, c, prompt_logprobs[p])
                     if delta.finish_reason is not None:  # before the yield, which a client gone never returns from
                         self.metrics.request_finished(delta.finish_reason, now - self.start, prompt_len,
-                                                      len(c.token_ids), self.params.max_tokens or max_len - prompt_len)
+                                                      choice.num_tokens, self.params.max_tokens or max_len - prompt_len)
                     yield delta
         except EngineDead as e:
             raise APIError(500, str(e), type="server_error") from e
