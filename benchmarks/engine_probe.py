@@ -13,14 +13,14 @@
   stored [K, N], weights rotated through 8 copies so they come from DRAM.
 - ``graph-launch``: host time of a freshly captured decode graph's first three launches (the first uploads it).
 - ``batch1``: batch-1 decode steps as `bench latency` runs them (LLM defaults, one 1024-token prompt or --context
-  tokens), 300 timed: the wall period, and from CUDA events around each step's launches the GPU's period, its span
+  tokens), 300 (or --steps) timed after 30: the wall period, and from CUDA events around each step's launches the GPU's period, its span
   and its idle time between steps (medians). Separate processes of `bench latency` on one H100 varied by up to 25%
   at batch 1 (fourteenth session); the GPU span is the step's own time.
 - ``batch1-kernels``: the same steps under torch.profiler: each step's GPU work in order, the decoder-layer kernel's
   launches summed into one line, every other kernel and copy with its time and the gap before it.
 
     python benchmarks/engine_probe.py steps|trace|decode|argmax|gemm-layout|graph-launch|batch1|batch1-kernels
-        [--max-num-seqs N] [--context TOKENS] (the batch1 probes)
+        [--max-num-seqs N] [--context TOKENS] (the batch1 probes) [--steps N] (batch1)
 
 Variants against each other: benchmarks/alternate.py.
 """
@@ -314,7 +314,7 @@ def _batch1_engine(max_num_seqs: int | None, context: int):
     return eng
 
 
-def probe_batch1(max_num_seqs: int | None = None, context: int = 1024):
+def probe_batch1(max_num_seqs: int | None = None, context: int = 1024, steps: int = 300):
     import statistics
     eng = _batch1_engine(max_num_seqs, context)
     events = []
@@ -322,7 +322,7 @@ def probe_batch1(max_num_seqs: int | None = None, context: int = 1024):
     torch.cuda.synchronize()
     events.clear()
     walls, last = [], time.perf_counter()
-    for _ in range(300):
+    for _ in range(steps):
         eng.step()
         now = time.perf_counter()
         walls.append(now - last)
@@ -330,7 +330,7 @@ def probe_batch1(max_num_seqs: int | None = None, context: int = 1024):
     torch.cuda.synchronize()
     pairs = list(zip(events, events[1:]))
     med = statistics.median
-    print(f"batch 1, context {context + 30}-{context + 330}: wall period {1e3 * med(walls):.3f} ms; GPU period "
+    print(f"batch 1, context {context + 30}-{context + 30 + steps}: wall period {1e3 * med(walls):.3f} ms; GPU period "
           f"{med(a[0].elapsed_time(b[0]) for a, b in pairs):.3f} ms, span "
           f"{med(s.elapsed_time(e) for s, e, _ in events):.3f} ms, idle between steps "
           f"{med(a[1].elapsed_time(b[0]) for a, b in pairs):.3f} ms; host in execute "
@@ -382,10 +382,13 @@ if __name__ == "__main__":
     parser.add_argument("--max-num-seqs", type=int, help="the batch1 probes' engine's (2: it captures the decode "
                         "graphs of one and two sequences only, minutes less on a cold machine)")
     parser.add_argument("--context", type=int, help="the batch1 probes' prompt length (default 1024)")
+    parser.add_argument("--steps", type=int, help="the batch1 probe's timed steps, after 30 untimed (default 300)")
     args = parser.parse_args()
-    if args.probe.startswith("batch1"):
-        PROBES[args.probe](args.max_num_seqs, args.context or 1024)
-    elif args.max_num_seqs is not None or args.context is not None:
-        parser.error(f"--max-num-seqs and --context are for the batch1 probes, not {args.probe}")
+    if args.probe == "batch1":
+        probe_batch1(args.max_num_seqs, args.context or 1024, args.steps or 300)
+    elif args.probe == "batch1-kernels" and args.steps is None:
+        probe_batch1_kernels(args.max_num_seqs, args.context or 1024)
+    elif args.max_num_seqs is not None or args.context is not None or args.steps is not None:
+        parser.error(f"--max-num-seqs and --context are for the batch1 probes, --steps for batch1, not {args.probe}")
     else:
         PROBES[args.probe]()

@@ -6,7 +6,8 @@ hidden states of a random-weight Qwen3-0.6B decoding greedily.
 --configs sweeps the screen's rows and warps a program and the pick's tiles a program and weight tiles in flight
 (ROWSxWARPSxTILESxSTAGES for both heads, as greedy_head.HEAD_CONFIGS holds them; the default is each head's own).
 
-    python benchmarks/greedy_head.py [--configs 8x2x4x4 16x4x1x8 ...] [--trials 20] [--engine-steps 50]
+    python benchmarks/greedy_head.py [--heads qwen3-0.6b llama3-8b llama3.2-1b llama3.2-3b]
+        [--configs 8x2x4x4 16x4x1x8 ...] [--trials 20] [--engine-steps 50]
 """
 import argparse
 
@@ -15,7 +16,9 @@ from triton.testing import do_bench_cudagraph
 
 from pagedllm.ops.triton import fused, greedy_head
 
-HEADS = {"qwen3-0.6b": (151936, 1024), "llama3-8b": (128256, 4096)}
+# (vocab, K); the Llama 3.2 heads (K = 2048, 3072) are swept with --heads
+HEADS = {"qwen3-0.6b": (151936, 1024), "llama3-8b": (128256, 4096), "llama3.2-1b": (128256, 2048),
+         "llama3.2-3b": (128256, 3072)}
 DEFAULT = greedy_head.HEAD_CONFIGS
 
 
@@ -57,12 +60,14 @@ def _tokens(weight: torch.Tensor, screen, xs: torch.Tensor) -> str:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), default=["qwen3-0.6b", "llama3-8b"])
     ap.add_argument("--configs", nargs="*", default=[None])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=50, help="also the hidden states of this many decode steps")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
-    for name, (vocab, hidden) in HEADS.items():
+    for name in args.heads:
+        vocab, hidden = HEADS[name]
         gen = torch.Generator(device="cuda").manual_seed(0)
         weight = (0.02 * torch.randn(vocab, hidden, generator=gen, device="cuda")).to(torch.bfloat16)
         screen = greedy_head.ScreenedHead(weight)
