@@ -664,11 +664,17 @@ def test_per_request_metrics_count_each_finished_sequence(tiny_server):
     # one TTFT per prompt, each before its sequences' ends
     assert delta["pagedllm:time_to_first_token_seconds_count"] == 4
     assert delta["pagedllm:e2e_request_latency_seconds_sum"] >= delta["pagedllm:time_to_first_token_seconds_sum"] > 0
-    # vLLM's token-count buckets: 1, 2, 5, 10, ... up to max_model_len
+    # vLLM's buckets: token counts 1, 2, 5, 10, ... up to max_model_len; TTFT up to 2560 s, ITL up to 80 s
     text = urllib.request.urlopen(tiny_server + "/metrics").read().decode()
-    bounds = re.findall(r'pagedllm:request_prompt_tokens_bucket\{model_name="tiny",le="([^"]+)"\}', text)
-    assert bounds == [repr(float(m * 10 ** e)) for e in range(10) for m in (1, 2, 5) if m * 10 ** e <= max_len] + [
-        "+Inf"]
+
+    def bounds(name):
+        return re.findall(rf'pagedllm:{name}_bucket\{{model_name="tiny",le="([^"]+)"\}}', text)
+    assert bounds("request_prompt_tokens") == [
+        repr(float(m * 10 ** e)) for e in range(10) for m in (1, 2, 5) if m * 10 ** e <= max_len] + ["+Inf"]
+    ttft, itl = bounds("time_to_first_token_seconds"), bounds("inter_token_latency_seconds")
+    assert len(ttft) == 23 and ttft[:2] == ["0.001", "0.005"]
+    assert ttft[-5:] == ["80.0", "160.0", "640.0", "2560.0", "+Inf"]
+    assert len(itl) == 20 and itl[:2] == ["0.01", "0.025"] and itl[-4:] == ["20.0", "40.0", "80.0", "+Inf"]
 
 
 # ---- load, disconnects, overload --------------------------------------------------------------------------

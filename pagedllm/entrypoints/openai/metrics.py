@@ -63,6 +63,13 @@ class LabelledCounter:
                   for value, count in self.counts.items())]
 
 
+# vLLM v1's (its loggers.py): a dashboard's quantiles then read the same from both servers
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0, 2560.0]
+INTER_TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                       40.0, 80.0]
+
+
 class ServerMetrics:
     """What the server observes itself: TTFT and inter-token latency as tokens arrive, and vLLM's per-request
     metrics once per finished sequence (each of n samples counts, as vLLM runs them as child requests), with vLLM's
@@ -73,12 +80,11 @@ class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int) -> None:
         self.labels = f'model_name="{_escape(model_name)}"'
         self.time_to_first_token = Histogram(
-            "pagedllm:time_to_first_token_seconds", "Time from request arrival to its first generated token.",
-            [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-             20.0, 40.0, 80.0])
+            "pagedllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS)
         self.inter_token_latency = Histogram(
-            "pagedllm:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.",
-            [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0])
+            "pagedllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            INTER_TOKEN_BUCKETS)
         self.request_success = LabelledCounter(
             "pagedllm:request_success", "Count of successfully processed requests.", "finished_reason",
             ["stop", "length", "abort"])
