@@ -13,9 +13,9 @@
   stored [K, N], weights rotated through 8 copies so they come from DRAM.
 - ``graph-launch``: host time of a freshly captured decode graph's first three launches (the first uploads it).
 - ``batch1``: batch-1 decode steps as `bench latency` runs them (LLM defaults, one 1024-token prompt or --context
-  tokens), 300 (or --steps) timed after 30: the wall period, and from CUDA events around each step's launches the GPU's period, its span
-  and its idle time between steps (medians). Separate processes of `bench latency` on one H100 varied by up to 25%
-  at batch 1 (fourteenth session); the GPU span is the step's own time.
+  tokens), 300 (or --steps) timed after 30: the wall period, and from CUDA events around each step's launches the
+  GPU's period, its span and its idle time between steps (medians). Separate processes of `bench latency` on one
+  H100 varied by up to 25% at batch 1 (fourteenth session); the GPU span is the step's own time.
 - ``batch1-kernels``: the same steps under torch.profiler: each step's GPU work in order, the decoder-layer kernel's
   launches summed into one line, every other kernel and copy with its time and the gap before it.
 
@@ -330,8 +330,8 @@ def probe_batch1(max_num_seqs: int | None = None, context: int = 1024, steps: in
     torch.cuda.synchronize()
     pairs = list(zip(events, events[1:]))
     med = statistics.median
-    print(f"batch 1, context {context + 30}-{context + 30 + steps}: wall period {1e3 * med(walls):.3f} ms; GPU period "
-          f"{med(a[0].elapsed_time(b[0]) for a, b in pairs):.3f} ms, span "
+    print(f"batch 1, context {context + 30}-{context + 30 + steps}: wall period {1e3 * med(walls):.3f} ms; "
+          f"GPU period {med(a[0].elapsed_time(b[0]) for a, b in pairs):.3f} ms, span "
           f"{med(s.elapsed_time(e) for s, e, _ in events):.3f} ms, idle between steps "
           f"{med(a[1].elapsed_time(b[0]) for a, b in pairs):.3f} ms; host in execute "
           f"{1e3 * med(h for *_, h in events):.3f} ms (medians)")
