@@ -31,6 +31,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestStateStats:
+    """When a request reached each state, as vLLM v1's RequestOutput.metrics: arrival_time by the wall clock
+    (time.time()), the rest by time.monotonic() (0.0: not yet). Over a request's n samples: the earliest scheduling
+    and first token, the latest token, and every sample's tokens."""
+    arrival_time: float = 0.0
+    queued_ts: float = 0.0  # added to the scheduler's queue
+    scheduled_ts: float = 0.0  # first scheduled (a preemption does not move it)
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    num_generation_tokens: int = 0
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -42,3 +55,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs, per prompt token: None for the first, then {token_id: Logprob} of the
     # prompt's token and the top-n given the tokens before it.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestStateStats | None = None

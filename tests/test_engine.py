@@ -1,5 +1,6 @@
 """End-to-end engine behaviour on the real SmolLM2-135M-Instruct model (CPU, float32)."""
 import os
+import time
 
 import pytest
 import torch
@@ -675,6 +676,27 @@ def test_one_output_per_request_when_a_waiting_step_follows_an_overlapped_one(ll
         lengths["plain"] += [len(o.outputs[0].token_ids) for o in outs if o.request_id == "plain"]
     assert lengths["plain"][-1] == 8 and lengths["plain"] == sorted(lengths["plain"])
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_outputs_carry_when_requests_were_queued_scheduled_and_sampled(llm, monkeypatch):
+    """RequestOutput.metrics, as vLLM v1's RequestStateStats: the arrival by the wall clock, then queued <= scheduled
+    <= first token <= last token by the monotonic clock, every sample's tokens counted; a request that waits for a
+    sequence slot is scheduled only once the one before it has finished (the server's queue time)."""
+    engine = llm.engine
+    monkeypatch.setattr(engine.scheduler, "max_num_seqs", 2)
+    params = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    wall, mono = time.time(), time.monotonic()
+    runs = _run(engine, [("pair", [1, 2, 3], SamplingParams(n=2, **params)),
+                         ("next", [4, 5], SamplingParams(**params))])
+    pair, after = runs["pair"][-1].metrics, runs["next"][-1].metrics
+    for stats in (pair, after):
+        assert wall <= stats.arrival_time <= time.time()
+        assert mono <= stats.queued_ts <= stats.scheduled_ts <= stats.first_token_ts <= stats.last_token_ts
+        assert stats.last_token_ts <= time.monotonic()
+    assert pair.num_generation_tokens == 10 and after.num_generation_tokens == 5
+    assert after.scheduled_ts >= pair.last_token_ts > pair.first_token_ts
+    counts = [o.metrics.num_generation_tokens for o in runs["next"]]
+    assert counts == sorted(set(counts)) and counts[-1] == 5
 
 
 def _run(engine, requests):

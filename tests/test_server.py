@@ -661,6 +661,15 @@ def test_per_request_metrics_count_each_finished_sequence(tiny_server):
     chat_limit = max_len - chat_stop.usage.prompt_tokens
     assert delta["pagedllm:request_params_max_tokens_sum"] == 4 + 2 * 4 + chat_limit + 3
     assert delta["pagedllm:request_params_n_count"] == 4 and delta["pagedllm:request_params_n_sum"] == 5
+    # each sequence's phases, from the engine's timestamps as vLLM v1 splits them
+    for phase in ("queue", "inference", "prefill", "decode"):
+        assert delta[f"pagedllm:request_{phase}_time_seconds_count"] == 5, phase
+    assert delta["pagedllm:request_time_per_output_token_seconds_count"] == 5
+    prefill, decode, inference = (delta[f"pagedllm:request_{p}_time_seconds_sum"] for p in ("prefill", "decode",
+                                                                                           "inference"))
+    assert prefill > 0 and decode > 0 and inference == pytest.approx(prefill + decode)
+    assert delta["pagedllm:e2e_request_latency_seconds_sum"] >= inference + delta[
+        "pagedllm:request_queue_time_seconds_sum"]
     # one TTFT per prompt, each before its sequences' ends
     assert delta["pagedllm:time_to_first_token_seconds_count"] == 4
     assert delta["pagedllm:e2e_request_latency_seconds_sum"] >= delta["pagedllm:time_to_first_token_seconds_sum"] > 0

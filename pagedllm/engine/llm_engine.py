@@ -17,7 +17,7 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.sampler import PromptLogprobs, SamplerOutput
 from pagedllm.models.loader import load_model, resolve_model
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput, RequestStateStats
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -49,6 +49,15 @@ class _Step:
     sampling: list[Request]
     out: SamplerOutput | None
     prompt: PromptLogprobs | None  # the prompt logprobs it computed (not yet read)
+
+
+def _parent_stats(children: list[Request]) -> RequestStateStats:
+    """RequestOutput.metrics of a request's samples (RequestStateStats)."""
+    stats = [c.stats for c in children]
+    started = [t for t in (s.scheduled_ts for s in stats) if t] or [0.0]
+    first = [t for t in (s.first_token_ts for s in stats) if t] or [0.0]
+    return RequestStateStats(stats[0].arrival_time, stats[0].queued_ts, min(started), min(first),
+                             max(s.last_token_ts for s in stats), sum(c.num_output_tokens for c in children))
 
 
 class LLMEngine:
@@ -338,7 +347,8 @@ class LLMEngine:
         first = parent.children[0]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             prompt_logprobs=first.prompt_logprobs if first_output or not delta else None)
+                             prompt_logprobs=first.prompt_logprobs if first_output or not delta else None,
+                             metrics=_parent_stats(parent.children))
 
     # ---- stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from typing import Any
 
-from pagedllm.outputs import Logprob
+from pagedllm.outputs import Logprob, RequestStateStats
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -66,6 +67,7 @@ class Request:
         # SamplingParams.bad_words as token ids (LLMEngine.bad_words_token_ids)
         self.bad_words_token_ids = bad_words_token_ids
         self.arrival = next(_arrival_counter)
+        self.stats = RequestStateStats(arrival_time=time.time())
 
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)

@@ -1,6 +1,7 @@
 """Continuous batching: which requests run each step, for how many tokens, and who gets preempted."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class Scheduler:
                              f"{max_blocks} blocks of {self.block_size}, but the pool has {self.num_blocks}")
         self.requests[request_id] = request
         self.waiting.append(request)
+        request.stats.queued_ts = time.monotonic()
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -129,6 +131,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.stats.scheduled_ts = request.stats.scheduled_ts or time.monotonic()
             request.num_computed_tokens = num_computed
             self.running.append(request)
             scheduled.append(self._schedule_one(request, num_new))
@@ -142,6 +145,7 @@ class Scheduler:
         Tokens sampled for requests still mid-prefill are ignored: their logits came from a partial prompt.
         """
         advanced, finished = [], []
+        now = time.monotonic()
         for item in scheduler_output.scheduled:
             request = item.request
             if not item.sample:
@@ -158,6 +162,8 @@ class Scheduler:
             # Preempted while this step ran (only when steps overlap): it finishes from the waiting queue.
             waiting = request.status == RequestStatus.PREEMPTED
             request.append_output_token(token)
+            request.stats.first_token_ts = request.stats.first_token_ts or now
+            request.stats.last_token_ts = now
             advanced.append(request)
             if request.check_stop():
                 finished.append(request)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import bisect
 
+from pagedllm.outputs import RequestStateStats
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (stats key, type, help). Counters are exposed as key_total, the Prometheus convention vLLM's counters follow
@@ -68,6 +70,8 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 80.0, 160.0, 640.0, 2560.0]
 INTER_TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                        40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 
 class ServerMetrics:
@@ -90,8 +94,16 @@ class ServerMetrics:
             ["stop", "length", "abort"])
         self.e2e_request_latency = Histogram(
             "pagedllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-             960.0, 1920.0, 7680.0])
+            REQUEST_LATENCY_BUCKETS)
+        # the phases of a finished sequence, from the engine's RequestStateStats
+        self.phases = {phase: Histogram(f"pagedllm:request_{phase}_time_seconds",
+                                        f"Histogram of time spent in {state} phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+                       for phase, state in (("queue", "WAITING"), ("inference", "RUNNING"), ("prefill", "PREFILL"),
+                                            ("decode", "DECODE"))}
+        self.time_per_output_token = Histogram(
+            "pagedllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", INTER_TOKEN_BUCKETS)
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = Histogram(
             "pagedllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
@@ -103,14 +115,21 @@ class ServerMetrics:
             "pagedllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets)
 
     def request_finished(self, finish_reason: str, e2e_latency: float, prompt_tokens: int, generation_tokens: int,
-                         max_tokens: int) -> None:
+                         max_tokens: int, stats: RequestStateStats) -> None:
         """One finished sequence. max_tokens: its effective limit (with max_tokens unset, what the context leaves),
-        the value vLLM's server puts in SamplingParams."""
+        the value vLLM's server puts in SamplingParams. stats: its request's, as the engine output it when the
+        sequence finished (so its last token is the sequence's), its phases computed as vLLM v1 computes them."""
         self.request_success.inc(finish_reason)
         self.e2e_request_latency.observe(e2e_latency)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
         self.request_params_max_tokens.observe(max_tokens)
+        decode = stats.last_token_ts - stats.first_token_ts
+        for phase, seconds in (("queue", stats.scheduled_ts - stats.queued_ts),
+                               ("inference", stats.last_token_ts - stats.scheduled_ts),
+                               ("prefill", stats.first_token_ts - stats.scheduled_ts), ("decode", decode)):
+            self.phases[phase].observe(seconds)
+        self.time_per_output_token.observe(decode / (generation_tokens - 1) if generation_tokens > 1 else 0.0)
 
     def render(self, stats: dict[str, float]) -> str:
         lines = []
@@ -120,8 +139,9 @@ class ServerMetrics:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}",
                       f"{sample}{{{self.labels}}} {float(stats[key])!r}"]
         for metric in (self.time_to_first_token, self.inter_token_latency, self.request_success,
-                       self.e2e_request_latency, self.request_prompt_tokens, self.request_generation_tokens,
-                       self.request_params_n, self.request_params_max_tokens):
+                       self.e2e_request_latency, *self.phases.values(), self.time_per_output_token,
+                       self.request_prompt_tokens, self.request_generation_tokens, self.request_params_n,
+                       self.request_params_max_tokens):
             lines += metric.render(self.labels)
         return "\n".join(lines) + "\n"
 

@@ -143,7 +143,8 @@ class _Generation:
                     delta = choice.advance(p * n + c.index, c, prompt_logprobs[p])
                     if delta.finish_reason is not None:  # before the yield, which a client gone never returns from
                         self.metrics.request_finished(delta.finish_reason, now - self.start, prompt_len,
-                                                      choice.num_tokens, self.params.max_tokens or max_len - prompt_len)
+                                                      choice.num_tokens, self.params.max_tokens or max_len - prompt_len,
+                                                      out.metrics)
                     yield delta
         except EngineDead as e:
             raise APIError(500, str(e), type="server_error") from e
